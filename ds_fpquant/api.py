@@ -1,0 +1,291 @@
+"""Native API (API.md): ``quantize``, ``dequantize`` and ``QuantizedTensor``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from . import checks
+from .formats import FORMATS, PRESETS, FPFormat, get_format
+from .packing import pack_rows, row_bytes, unpack_rows
+from .reference import SCALE_FLOOR, decode, encode, group_amax, scales_from_amax
+
+__all__ = ["QuantizedTensor", "quantize", "dequantize"]
+
+GROUPINGS = ("row", "flat")
+SCALE_FORMATS = ("fp32", "e8m0")
+SCALE_ROUNDINGS = ("ceil", "floor")
+ROUNDINGS = ("nearest", "stochastic")
+BACKENDS = ("auto", "cuda", "cpu", "torch")
+
+
+@dataclass
+class QuantizedTensor:
+    """Codes and scales of one quantized tensor (a plain dataclass, not a tensor subclass).
+
+    Attributes:
+        codes: ``torch.uint8``. Row grouping: ``(*shape[:-1], row_bytes)`` with each row's groups
+            packed one after another (SPEC 6); for 8-bit formats ``codes.shape == shape`` and
+            ``codes.view(torch.float8_e4m3fn)`` (or ``float8_e5m2``) is valid. Flat grouping: 1-D.
+        scales: ``torch.float32``, one per group: ``(*shape[:-1], ceil(K/G))`` for row grouping,
+            ``(ceil(numel/G),)`` for flat grouping (SPEC 3.1).
+        shape, dtype: the original tensor's shape and dtype.
+        fmt, group_size, grouping, block, scale_format: as passed to :func:`quantize`.
+        tensor_scale: NVFP4 per-tensor scale (SPEC 3.4); ``None`` otherwise.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: str
+    group_size: int
+    grouping: str = "row"
+    block: Optional[Tuple[int, int]] = None
+    scale_format: str = "fp32"
+    tensor_scale: Optional[torch.Tensor] = None
+
+    @property
+    def format(self) -> FPFormat:
+        """The element format's entry of the format table."""
+        return get_format(self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes plus scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Same as :func:`dequantize` (``dequantize(self, dtype)``)."""
+        return dequantize(self, dtype)
+
+
+# ---- argument checks (SPEC 7) -----------------------------------------------------------------
+
+
+def _rows_and_k(shape, grouping: str) -> Tuple[int, int]:
+    """View a tensor of ``shape`` as ``rows x K`` (SPEC 2)."""
+    numel = math.prod(shape)
+    if grouping == "flat":
+        return 1, numel
+    k = shape[-1] if len(shape) else 1
+    return math.prod(shape[:-1]), k
+
+
+def _scales_shape(shape, grouping: str, group_size: int) -> Tuple[int, ...]:
+    rows, k = _rows_and_k(shape, grouping)
+    n_groups = -(-k // group_size)
+    return (n_groups,) if grouping == "flat" else (*shape[:-1], n_groups)
+
+
+def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int, ...]:
+    rows, k = _rows_and_k(shape, grouping)
+    nbytes = row_bytes(k, group_size, bits)
+    return (nbytes,) if grouping == "flat" else (*shape[:-1], nbytes)
+
+
+def _check_quantize_args(x, fmt, group_size, grouping, block, scale_format, scale_rounding, rounding, seed,
+                         offset, backend) -> FPFormat:
+    checks.check_tensor("x", x)
+    if isinstance(fmt, str) and fmt in PRESETS:
+        raise NotImplementedError(f"fmt={fmt!r} (MX / NVFP4 presets, SPEC 3.2 and 3.4) is not implemented yet; "
+                                  f"implemented formats: {', '.join(FORMATS)}")
+    f = get_format(fmt)
+    checks.check_int("group_size", group_size, 1)
+    checks.check_choice("grouping", grouping, GROUPINGS)
+    checks.check_choice("scale_format", scale_format, SCALE_FORMATS)
+    checks.check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
+    checks.check_choice("rounding", rounding, ROUNDINGS)
+    checks.check_choice("backend", backend, BACKENDS)
+    checks.check_int("offset", offset, 0)
+    if seed is not None:
+        if rounding != "stochastic":
+            raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
+        checks.check_int("seed", seed, 0)
+    if scale_rounding != "ceil" and scale_format != "e8m0":
+        raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
+                         f"(got scale_format={scale_format!r}); leave it at 'ceil'")
+    if block is not None:
+        raise NotImplementedError("block=(Br, Bc) 2-D block scaling (SPEC 2) is not implemented yet; "
+                                  "use group_size with grouping='row' or 'flat'")
+    if scale_format == "e8m0":
+        raise NotImplementedError("scale_format='e8m0' (SPEC 3.2) is not implemented yet; use scale_format='fp32'")
+    if rounding == "stochastic":
+        raise NotImplementedError("rounding='stochastic' (SPEC 4) is not implemented yet; use rounding='nearest'")
+    return f
+
+
+def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"scales must be a torch.Tensor of float32, got {type(scales).__name__}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales.dtype={scales.dtype} is not supported; allowed: torch.float32")
+    if tuple(scales.shape) != tuple(expected_shape):
+        raise ValueError(f"scales has shape {tuple(scales.shape)}; expected {tuple(expected_shape)} "
+                         f"(one scale per group, SPEC 2)")
+    checks.check_device("scales", scales, device)
+    bad = ~(torch.isfinite(scales) & (scales >= SCALE_FLOOR))
+    if bool(bad.any()):
+        first = scales.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ValueError(f"scales must be finite and >= 2^-126 (SPEC 3.1) so that r = 1/s is finite; "
+                         f"found {first!r}")
+    return scales
+
+
+_warned_fallback = False
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """Pick the implementation for ``backend`` on ``device``; ``"auto"`` falls back to torch."""
+    global _warned_fallback
+    if backend in ("cuda", "cpu"):
+        raise NotImplementedError(f"backend={backend!r} (compiled op) is not implemented yet; "
+                                  f"use backend='torch' or 'auto'")
+    if backend == "auto" and not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"ds_fpquant: no compiled op for {device.type} tensors in this version; "
+                      f"using the torch reference backend", RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+# ---- the torch implementation of the row pipeline (SPEC 2-6) ----------------------------------
+
+
+def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int,
+                   given_scales: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, fp32 scales ``(R, ceil(K/G))``)."""
+    rows, k = x2.shape
+    n_groups = -(-k // group_size)
+    x32 = x2.to(torch.float32)
+    pad = n_groups * group_size - k
+    if pad:
+        x32 = torch.nn.functional.pad(x32, (0, pad))  # zeros never change a group's amax
+    groups = x32.view(rows, n_groups, group_size)
+    amax, nonfinite = group_amax(groups)
+    s = scales_from_amax(amax, f) if given_scales is None else given_scales
+    r = torch.ones((), dtype=torch.float32, device=s.device) / s  # fl(1/s) from the stored s
+    codes = encode(groups, r.unsqueeze(-1), f).view(rows, n_groups * group_size)[:, :k]
+    if not f.has_nan:  # SPEC 3.3: no NaN code, so the group's stored scale carries the fault
+        s = torch.where(nonfinite, torch.full_like(s, float("nan")), s)
+    return pack_rows(codes, group_size, f.bits), s
+
+
+def _dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, k: int, f: FPFormat, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``(R, row_bytes)`` + fp32 scales ``(R, ceil(K/G))`` -> ``dtype`` ``(R, K)`` (SPEC 5)."""
+    values = decode(unpack_rows(packed, k, group_size, f.bits), f)
+    per_element = scales.repeat_interleave(group_size, dim=1)[:, :k]
+    return (values * per_element).to(dtype)  # one fp32 multiply, then RNE to dtype
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str = "e4m3",
+    group_size: int = 128,
+    *,
+    grouping: str = "row",
+    block: Optional[Tuple[int, int]] = None,
+    scale_format: str = "fp32",
+    scale_rounding: str = "ceil",
+    rounding: str = "nearest",
+    seed: Optional[int] = None,
+    offset: int = 0,
+    backend: str = "auto",
+    scales: Optional[torch.Tensor] = None,
+) -> QuantizedTensor:
+    """Quantize ``x`` to ``fmt`` codes with one scale per group of ``group_size`` elements.
+
+    Args:
+        x: fp32 / fp16 / bf16 tensor of any shape on any device; non-contiguous input is read
+            in logical (row-major) order.
+        fmt: element format, one of ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1" "e4m7"`` (SPEC 1).
+        group_size: elements per group ``G >= 1``; the last group of a row may be shorter (SPEC 2).
+        grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
+        block, scale_format, scale_rounding, rounding, seed, offset: see API.md; 2-D blocks,
+            e8m0 scales and stochastic rounding raise ``NotImplementedError`` in this version.
+        backend: ``"auto"`` or ``"torch"``; the compiled ``"cuda"``/``"cpu"`` ops are not in this
+            version yet (``NotImplementedError``).
+        scales: optional caller-given fp32 scales shaped like the result's ``scales`` (finite,
+            ``>= 2^-126``); elements are then encoded with ``r = fl(1/s)`` of these (SPEC 4,
+            saturating where they are too small) and they are stored as given.
+
+    Returns:
+        :class:`QuantizedTensor` with codes packed as SPEC 6 and fp32 scales of SPEC 3.1
+        (NaN for a group with NaN/Inf in formats that have no NaN code, SPEC 3.3).
+
+    Raises:
+        TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
+        NotImplementedError: features of later versions named above.
+    """
+    f = _check_quantize_args(x, fmt, group_size, grouping, block, scale_format, scale_rounding, rounding, seed,
+                             offset, backend)
+    shape = tuple(x.shape)
+    scales_shape = _scales_shape(shape, grouping, group_size)
+    rows, k = _rows_and_k(shape, grouping)
+    if scales is not None:
+        scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, -(-k // group_size))
+    _resolve_backend(backend, x.device)
+    x2 = x.contiguous().reshape(rows, k)
+    packed, s = _quantize_rows(x2, f, group_size, scales)
+    return QuantizedTensor(
+        codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
+        scales=s.reshape(scales_shape),
+        shape=torch.Size(shape),
+        dtype=x.dtype,
+        fmt=f.name,
+        group_size=group_size,
+        grouping=grouping,
+        scale_format=scale_format,
+    )
+
+
+def _check_quantized(qt) -> FPFormat:
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a ds_fpquant.QuantizedTensor, got {type(qt).__name__}")
+    f = get_format(qt.fmt)
+    checks.check_int("qt.group_size", qt.group_size, 1)
+    checks.check_choice("qt.grouping", qt.grouping, GROUPINGS)
+    if qt.scale_format != "fp32" or qt.block is not None:
+        raise NotImplementedError(f"dequantize of scale_format={qt.scale_format!r}, block={qt.block!r} "
+                                  f"is not implemented yet")
+    codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
+    checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
+    scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)
+    if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != torch.float32:
+        raise TypeError(f"qt.scales must be a float32 tensor, got "
+                        f"{getattr(qt.scales, 'dtype', type(qt.scales).__name__)}")
+    if tuple(qt.scales.shape) != scales_shape:
+        raise ValueError(f"qt.scales has shape {tuple(qt.scales.shape)}; expected {scales_shape}")
+    checks.check_device("qt.scales", qt.scales, qt.codes.device)
+    return f
+
+
+def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Dequantize ``qt`` to a tensor of ``qt.shape`` (SPEC 5).
+
+    ``y = fl(decode(q) * s)`` in fp32, then rounded to ``dtype`` (IEEE RNE; fp16 overflow gives
+    Inf). NaN codes give NaN, Inf codes +-Inf, a NaN scale NaN for its whole group.
+
+    Args:
+        qt: result of :func:`quantize`.
+        dtype: fp32 / fp16 / bf16 output dtype; defaults to ``qt.dtype``.
+
+    Raises:
+        TypeError, ValueError: ``qt`` is inconsistent (codes/scales of the wrong dtype or shape) or
+            ``dtype`` is not supported.
+    """
+    f = _check_quantized(qt)
+    dtype = qt.dtype if dtype is None else dtype
+    checks.check_float_dtype("dtype", dtype)
+    rows, k = _rows_and_k(qt.shape, qt.grouping)
+    packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
+    scales = qt.scales.reshape(rows, -(-k // qt.group_size))
+    y = _dequantize_rows(packed, scales, k, f, qt.group_size, dtype)
+    return y.reshape(qt.shape)

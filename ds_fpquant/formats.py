@@ -1,0 +1,203 @@
+"""The element-format table (SPEC 1): the only place format facts live.
+
+Each format is defined by its exponent width, mantissa width and its rule for the top exponent
+code; everything else (bias, max finite, min normal, min subnormal, NaN/Inf codes) is derived.
+The C++ codec header mirrors this table as traits, and a test checks the two agree.
+
+Sources: OCP 8-bit Floating Point Specification (OFP8) rev 1.0 (e4m3, e5m2); OCP Microscaling
+Formats (MX) v1.0 (e3m2, e2m3, e2m1, E8M0). ``e4m7`` has no standard; it exists only so
+DeepSpeed's ``q_bits=12`` keeps working, and all its exponent codes are finite.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Dict, Optional, Tuple
+
+
+class TopCode(enum.Enum):
+    """What the all-ones exponent code means."""
+
+    #: IEEE-like: all-ones exponent is Inf (mantissa 0) or NaN (any other mantissa). e5m2.
+    IEEE = "ieee"
+    #: "fn" (finite + NaN): only S.1..1.1..1 is NaN, the rest of the top binade is finite. e4m3.
+    NAN_ONLY_ALL_ONES = "nan_only_all_ones"
+    #: "fn" with no NaN at all: every code is finite. FP6, FP4 and e4m7.
+    FINITE = "finite"
+
+
+@dataclass(frozen=True)
+class FPFormat:
+    """One element format: ``1`` sign bit, ``ebits`` exponent bits, ``mbits`` mantissa bits."""
+
+    name: str
+    ebits: int
+    mbits: int
+    top: TopCode
+
+    # ---- derived facts (SPEC 1) -------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        """Bits per code: 8, 6, 4 or 12."""
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def bias(self) -> int:
+        """Exponent bias ``2^(ebits-1) - 1``."""
+        return (1 << (self.ebits - 1)) - 1
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal: ``1 - bias``."""
+        return 1 - self.bias
+
+    @property
+    def max_biased_exp(self) -> int:
+        """Largest exponent code that holds finite values."""
+        all_ones = (1 << self.ebits) - 1
+        return all_ones - 1 if self.top is TopCode.IEEE else all_ones
+
+    @property
+    def max_mantissa_at_top(self) -> int:
+        """Largest mantissa code of the largest finite binade."""
+        all_ones = (1 << self.mbits) - 1
+        return all_ones - 1 if self.top is TopCode.NAN_ONLY_ALL_ONES else all_ones
+
+    @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest finite binade (``floor(log2(fmax))``)."""
+        return self.max_biased_exp - self.bias
+
+    @property
+    def max_code(self) -> int:
+        """Code (sign 0) of the largest finite magnitude."""
+        return (self.max_biased_exp << self.mbits) | self.max_mantissa_at_top
+
+    @property
+    def fmax(self) -> float:
+        """Largest finite value, e.g. ``1.75 * 2^8 = 448`` for e4m3."""
+        return (1.0 + self.max_mantissa_at_top / (1 << self.mbits)) * 2.0**self.emax
+
+    @property
+    def min_normal(self) -> float:
+        """Smallest positive normal ``2^emin``."""
+        return 2.0**self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive subnormal ``2^(emin - mbits)``."""
+        return 2.0 ** (self.emin - self.mbits)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.top is TopCode.IEEE
+
+    @property
+    def has_nan(self) -> bool:
+        return self.top is not TopCode.FINITE
+
+    @property
+    def sign_bit(self) -> int:
+        """The sign bit of a code, ``1 << (bits - 1)``."""
+        return 1 << (self.bits - 1)
+
+    @property
+    def nan_code(self) -> Optional[int]:
+        """The NaN code written for NaN input (sign 0), SPEC 3.3: all ones below the sign."""
+        return self.sign_bit - 1 if self.has_nan else None
+
+    @property
+    def inf_code(self) -> Optional[int]:
+        """The +Inf code (sign 0), or ``None`` when the format has no Inf."""
+        return ((1 << self.ebits) - 1) << self.mbits if self.has_inf else None
+
+    @cached_property
+    def decode_table(self) -> Tuple[float, ...]:
+        """Value of every code ``0 .. 2^bits - 1`` as a Python float (exact; NaN for NaN codes)."""
+        return tuple(_decode_code(self, code) for code in range(1 << self.bits))
+
+
+def _decode_code(f: FPFormat, code: int) -> float:
+    """Exact value of one code (SPEC 1 and 5)."""
+    sign = -1.0 if code & f.sign_bit else 1.0
+    exp_code = (code >> f.mbits) & ((1 << f.ebits) - 1)
+    man = code & ((1 << f.mbits) - 1)
+    all_ones_exp = exp_code == (1 << f.ebits) - 1
+    if f.top is TopCode.IEEE and all_ones_exp:
+        return sign * math.inf if man == 0 else math.nan
+    if f.top is TopCode.NAN_ONLY_ALL_ONES and all_ones_exp and man == (1 << f.mbits) - 1:
+        return math.nan
+    if exp_code == 0:  # subnormal: 0.man * 2^emin
+        return sign * man * 2.0 ** (f.emin - f.mbits)
+    return sign * (1.0 + man / (1 << f.mbits)) * 2.0 ** (exp_code - f.bias)
+
+
+#: The table of SPEC 1. Nothing else in the project types a maximum or a bias.
+FORMATS: Dict[str, FPFormat] = {
+    f.name: f
+    for f in (
+        FPFormat("e4m3", 4, 3, TopCode.NAN_ONLY_ALL_ONES),  # max 1.75 * 2^8  = 448
+        FPFormat("e5m2", 5, 2, TopCode.IEEE),  # max 1.75 * 2^15 = 57344
+        FPFormat("e3m2", 3, 2, TopCode.FINITE),  # max 1.75 * 2^4  = 28
+        FPFormat("e2m3", 2, 3, TopCode.FINITE),  # max 1.875 * 2^2 = 7.5
+        FPFormat("e2m1", 2, 1, TopCode.FINITE),  # max 1.5 * 2^2   = 6
+        FPFormat("e4m7", 4, 7, TopCode.FINITE),  # max (2 - 2^-7) * 2^8 = 510
+    )
+}
+
+#: DeepSpeed's ``(q_bits, q_mantisa_bits)`` spelling (SPEC 1). ``e2m3`` has none.
+DEEPSPEED_FORMATS: Dict[Tuple[int, int], str] = {
+    (8, 3): "e4m3",
+    (8, 2): "e5m2",
+    (6, 2): "e3m2",
+    (4, 1): "e2m1",
+    (12, 7): "e4m7",
+}
+
+
+def get_format(fmt) -> FPFormat:
+    """Look up a format by name (``"e4m3"``, ...) or pass an :class:`FPFormat` through.
+
+    Raises:
+        TypeError: ``fmt`` is neither a string nor an ``FPFormat``.
+        ValueError: unknown name; the message lists the supported formats.
+    """
+    if isinstance(fmt, FPFormat):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt must be a str, got {type(fmt).__name__} ({fmt!r}); "
+                        f"allowed: {', '.join(FORMATS)}")
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"fmt={fmt!r} is not a supported format; allowed: {', '.join(FORMATS)}") from None
+
+
+def format_from_deepspeed(q_bits, q_mantisa_bits) -> FPFormat:
+    """Map DeepSpeed's ``(q_bits, q_mantisa_bits)`` to a format (SPEC 1), or raise ``ValueError``.
+
+    Unlike DeepSpeed, a pair that is not in the table is an error, never re-dispatched.
+    """
+    for name, value in (("q_bits", q_bits), ("q_mantisa_bits", q_mantisa_bits)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    try:
+        return FORMATS[DEEPSPEED_FORMATS[(q_bits, q_mantisa_bits)]]
+    except KeyError:
+        allowed = ", ".join(f"({b}, {m}) {n}" for (b, m), n in DEEPSPEED_FORMATS.items())
+        raise ValueError(f"(q_bits, q_mantisa_bits)=({q_bits}, {q_mantisa_bits}) is not supported; "
+                         f"allowed: {allowed}") from None
+
+
+#: Named presets of API.md: element format + group size + scale format (OCP MX v1.0, SPEC 3.4).
+PRESETS: Dict[str, Tuple[str, int, str]] = {
+    "mxfp8_e4m3": ("e4m3", 32, "e8m0"),
+    "mxfp8_e5m2": ("e5m2", 32, "e8m0"),
+    "mxfp6_e3m2": ("e3m2", 32, "e8m0"),
+    "mxfp6_e2m3": ("e2m3", 32, "e8m0"),
+    "mxfp4": ("e2m1", 32, "e8m0"),
+    "nvfp4": ("e2m1", 16, "nvfp4"),
+}

@@ -1,0 +1,235 @@
+"""Drop-in replacement for ``deepspeed.ops.fp_quantizer.FP_Quantize`` (API.md, SPEC 6.1).
+
+Same methods and buffer layout as DeepSpeed's class, with SPEC numerics: flat grouping over the
+whole tensor, one fp32 scale per group, no element ever dropped (a short last group is padded
+with zero codes in the buffer), fp32/fp16/bf16 input, any group size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from deepspeed.ops.fp_quantizer import Quantizer
+
+from . import checks
+from .api import QuantizedTensor, dequantize, quantize
+from .formats import FPFormat, format_from_deepspeed
+from .packing import group_bytes
+
+__all__ = ["FP_Quantize"]
+
+#: Bytes of the little-endian fp32 scale that ends each buffer row (SPEC 6.1).
+SCALE_BYTES = 4
+
+
+class FP_Quantize(Quantizer):
+    """Group FP quantizer with DeepSpeed's ``FP_Quantize`` interface.
+
+    Args:
+        quantization_config: a ``deepspeed.linear.QuantizationConfig`` (its ``group_size`` is
+            read), or an int group size (older DeepSpeed constructor, positional).
+        group_size: the older keyword form ``FP_Quantize(group_size=512)``.
+
+    Raises:
+        TypeError, ValueError: no usable group size (must be an int >= 1).
+    """
+
+    def __init__(self, quantization_config=None, group_size: Optional[int] = None) -> None:
+        if isinstance(quantization_config, int) and not isinstance(quantization_config, bool):
+            quantization_config, group_size = None, quantization_config
+        if quantization_config is not None:
+            if group_size is not None:
+                raise ValueError("pass either quantization_config or group_size, not both "
+                                 f"(got group_size={group_size!r})")
+            if not hasattr(quantization_config, "group_size"):
+                raise TypeError("quantization_config must have a group_size attribute (a "
+                                "deepspeed.linear.QuantizationConfig), got "
+                                f"{type(quantization_config).__name__}")
+            group_size = quantization_config.group_size
+        elif group_size is None:
+            group_size = 512  # DeepSpeed's Quantizer default
+        checks.check_int("group_size", group_size, 1)
+        super().__init__(group_size=group_size)
+        self.q_config = quantization_config
+        self.orig_dtype: Optional[torch.dtype] = None
+        self.orig_shape: Optional[torch.Size] = None
+        self.num_groups: Optional[int] = None
+        #: uint8 ``(num_groups, 4)``: the last quantize call's fp32 scales as little-endian bytes.
+        self.scale: Optional[torch.Tensor] = None
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _row_layout(self, f: FPFormat) -> Tuple[int, int]:
+        """(code bytes per group, buffer row bytes) of SPEC 6.1."""
+        gbytes = group_bytes(self.group_size, f.bits)
+        return gbytes, gbytes + SCALE_BYTES
+
+    def _num_groups(self, numel: int) -> int:
+        return -(-numel // self.group_size)
+
+    def _target(self, fp_out, shape) -> Tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the dequantized output (from ``fp_out`` or the last quantize)."""
+        if fp_out is not None:
+            checks.check_tensor("fp_out", fp_out)
+            if shape is not None and fp_out.numel() != math.prod(shape):
+                raise ValueError(f"fp_out has {fp_out.numel()} elements; the quantized tensor has "
+                                 f"{math.prod(shape)} (shape {tuple(shape)})")
+            return fp_out.shape, fp_out.dtype
+        if shape is None or self.orig_dtype is None:
+            raise ValueError("nothing to dequantize into: call quantize() first, set orig_shape and "
+                             "orig_dtype, or pass fp_out")
+        checks.check_float_dtype("orig_dtype", self.orig_dtype)
+        return torch.Size(shape), self.orig_dtype
+
+    def _to_quantized(self, input_q, scale, f: FPFormat, numel: int, dtype) -> QuantizedTensor:
+        """Rebuild the native flat-grouped :class:`QuantizedTensor` from a buffer (SPEC 6.1)."""
+        num_groups = self._num_groups(numel)
+        gbytes, row = self._row_layout(f)
+        if scale is None:
+            checks.check_byte_tensor("input_q", input_q, (num_groups, row))
+            buf = input_q.view(torch.uint8)
+            codes, scales = buf[:, :gbytes], buf[:, gbytes:]
+            n_full, tail = divmod(numel, self.group_size)
+            flat = codes.reshape(num_groups * gbytes)
+            if tail:  # the native layout keeps only the bytes the short last group needs
+                flat = flat[:n_full * gbytes + group_bytes(tail, f.bits)]
+        else:
+            if f.bits != 8:
+                raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
+            checks.check_byte_tensor("input_q", input_q, device=None)
+            if input_q.numel() != numel:
+                raise ValueError(f"input_q has {input_q.numel()} codes; expected {numel} (one per element)")
+            flat = input_q.view(torch.uint8).reshape(numel)
+            scales = self._scale_bytes(scale, num_groups, input_q.device)
+        scales = scales.contiguous().view(torch.float32).reshape(num_groups)
+        return QuantizedTensor(codes=flat.contiguous(), scales=scales, shape=torch.Size((numel,)), dtype=dtype,
+                               fmt=f.name, group_size=self.group_size, grouping="flat")
+
+    @staticmethod
+    def _scale_bytes(scale, num_groups: int, device) -> torch.Tensor:
+        """Meta scales as uint8 ``(num_groups, 4)``; fp32 ``(num_groups,)``/``(num_groups, 1)`` also accepted."""
+        if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32:
+            if scale.numel() != num_groups:
+                raise ValueError(f"scale has {scale.numel()} fp32 values; expected {num_groups} (one per group)")
+            checks.check_device("scale", scale, device)
+            return scale.contiguous().view(torch.uint8).reshape(num_groups, SCALE_BYTES)
+        checks.check_byte_tensor("scale", scale, (num_groups, SCALE_BYTES), device)
+        return scale.view(torch.uint8)
+
+    # ---- DeepSpeed interface ------------------------------------------------------------------
+    def quantize(self,
+                 input: torch.Tensor,
+                 q_bits: int = 8,
+                 q_mantisa_bits: int = 3,
+                 stochastic_mode: bool = False,
+                 return_meta_tensor: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Quantize ``input`` (any shape, fp32/fp16/bf16) with flat grouping (SPEC 2, 6.1).
+
+        Returns:
+            uint8 ``(num_groups, ceil(G*b/8) + 4)``: each row one group's codes, then its fp32 scale
+            (little-endian); ``num_groups = ceil(numel / G)``. With ``return_meta_tensor=True``
+            (8-bit formats only): ``(codes uint8 shaped like input, scales uint8 (num_groups, 4))``.
+
+        Raises:
+            TypeError, ValueError: unsupported dtype, ``(q_bits, q_mantisa_bits)`` pair not in SPEC 1,
+                ``return_meta_tensor`` with a sub-byte format.
+            NotImplementedError: ``stochastic_mode=True`` (not in this version).
+        """
+        checks.check_tensor("input", input)
+        f = format_from_deepspeed(q_bits, q_mantisa_bits)
+        if return_meta_tensor and f.bits != 8:
+            raise ValueError(f"return_meta_tensor=True needs q_bits=8 (one byte per code); got q_bits={q_bits}")
+        if stochastic_mode:
+            raise NotImplementedError("stochastic_mode=True (SPEC 4 stochastic rounding) is not implemented yet")
+        qt = quantize(input.reshape(-1), f.name, self.group_size, grouping="flat")
+        num_groups = qt.scales.numel()
+        scale_bytes = qt.scales.view(torch.uint8).reshape(num_groups, SCALE_BYTES)
+        self.orig_dtype, self.orig_shape, self.num_groups = input.dtype, input.shape, num_groups
+        self.scale = scale_bytes
+        if return_meta_tensor:
+            return qt.codes.reshape(input.shape), scale_bytes.clone()
+        gbytes, row = self._row_layout(f)
+        codes = torch.zeros(num_groups * gbytes, dtype=torch.uint8, device=input.device)
+        codes[:qt.codes.numel()] = qt.codes  # a short last group is padded with zero codes
+        return torch.cat([codes.view(num_groups, gbytes), scale_bytes], dim=1)
+
+    def dequantize(self,
+                   input_q: torch.Tensor,
+                   fp_out: Optional[torch.Tensor] = None,
+                   q_bits: int = 8,
+                   q_mantisa_bits: int = 3,
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Dequantize a buffer (or meta ``codes`` with ``scale=``) into ``fp_out`` or a new tensor.
+
+        Output shape and dtype come from ``fp_out`` when given, else from the last ``quantize`` (or
+        ``orig_shape``/``orig_dtype`` assigned by the caller). ``input_q`` may be uint8 or int8.
+        """
+        f = format_from_deepspeed(q_bits, q_mantisa_bits)
+        shape, dtype = self._target(fp_out, self.orig_shape)
+        numel = math.prod(shape)
+        y = dequantize(self._to_quantized(input_q, scale, f, numel, dtype), dtype).reshape(shape)
+        if fp_out is None:
+            return y
+        checks.check_device("fp_out", fp_out, y.device)
+        fp_out.copy_(y)
+        return fp_out
+
+    def selective_dequantize(self,
+                             input_q: torch.Tensor,
+                             indexes: torch.Tensor,
+                             fp_out: Optional[torch.Tensor] = None,
+                             q_bits: int = 8,
+                             q_mantisa_bits: int = 3,
+                             scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Dequantize only the slices ``orig[indexes]`` along dim 0 (e.g. chosen MoE experts).
+
+        Args:
+            indexes: 1-D int32 or int64 tensor of dim-0 positions in ``[0, orig_shape[0])``.
+
+        Returns:
+            ``(len(indexes), *orig_shape[1:])`` tensor of ``orig_dtype`` (or ``fp_out``).
+        """
+        if self.orig_shape is None or self.orig_dtype is None or len(self.orig_shape) < 1:
+            raise ValueError("selective_dequantize needs orig_shape (ndim >= 1) and orig_dtype: call quantize() "
+                             "first or set them")
+        if not isinstance(indexes, torch.Tensor) or indexes.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indexes must be an int32 or int64 tensor, got "
+                            f"{getattr(indexes, 'dtype', type(indexes).__name__)}")
+        if indexes.dim() != 1:
+            raise ValueError(f"indexes must be 1-D, got shape {tuple(indexes.shape)}")
+        n0 = self.orig_shape[0]
+        if indexes.numel() and (int(indexes.min()) < 0 or int(indexes.max()) >= n0):
+            raise ValueError(f"indexes must lie in [0, {n0}) (orig_shape[0]); got values in "
+                             f"[{int(indexes.min())}, {int(indexes.max())}]")
+        out_shape = torch.Size((indexes.numel(), *self.orig_shape[1:]))
+        if fp_out is not None:
+            checks.check_tensor("fp_out", fp_out)
+            if fp_out.numel() != math.prod(out_shape):
+                raise ValueError(f"fp_out has {fp_out.numel()} elements; expected {math.prod(out_shape)} "
+                                 f"(shape {tuple(out_shape)})")
+        f = format_from_deepspeed(q_bits, q_mantisa_bits)
+        numel = math.prod(self.orig_shape)
+        full = dequantize(self._to_quantized(input_q, scale, f, numel, self.orig_dtype))
+        y = full.reshape(self.orig_shape).index_select(0, indexes.to(full.device).long())
+        if fp_out is None:
+            return y
+        fp_out.copy_(y.reshape(fp_out.shape))
+        return fp_out
+
+    def get_scales(self) -> torch.Tensor:
+        """fp32 ``(num_groups, 1)`` scales of the last ``quantize`` call (an owning copy)."""
+        if self.scale is None:
+            raise ValueError("no scales yet: call quantize() first")
+        return self.scale.contiguous().view(torch.float32).reshape(self.scale.shape[0], 1).clone()
+
+    def to(self, *args, **kwargs) -> "FP_Quantize":
+        """Move the stored scales (if any) to the device named in ``Tensor.to`` arguments.
+
+        Only the device is honoured: a dtype (e.g. from ``QuantizedParameter.to(torch.half)``) must
+        not reinterpret the scale bytes. Safe before any quantize.
+        """
+        device, _dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if self.scale is not None and device is not None:
+            self.scale = self.scale.to(device, non_blocking=non_blocking)
+        return self

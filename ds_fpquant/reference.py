@@ -1,0 +1,111 @@
+"""Pure-torch implementation of SPEC 3-5: the readable reference and the fallback backend.
+
+Everything here is plain fp32 IEEE arithmetic on torch tensors (CPU or CUDA) plus integer bit
+manipulation, with no data-dependent Python branches. The compiled backends must match it bit
+for bit.
+
+Bit picture of the round-to-nearest-even step (SPEC 4) for a target with ``m`` mantissa bits::
+
+    fp32 |v|:  0 | eeeeeeee | mmm  r  ssss...s      (23 mantissa bits)
+                              \\_/  |  \\______/
+                     kept m bits   |   sticky bits (23 - m - 1 of them)
+                                   round bit
+
+    RNE adds (2^(22-m) - 1) + (lowest kept bit) and truncates the 23-m low bits; a carry out of
+    the mantissa moves into the exponent field, which is exactly rounding up to the next binade.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Tuple
+
+import torch
+
+from .formats import FPFormat
+
+__all__ = [
+    "SCALE_FLOOR",
+    "group_amax",
+    "scales_from_amax",
+    "encode",
+    "decode_table",
+    "decode",
+]
+
+#: Smallest stored fp32 scale, ``2^-126`` (SPEC 3.1): keeps ``r = 1/s`` finite.
+SCALE_FLOOR = 2.0**-126
+
+_F32_MBITS = 23
+_F32_BIAS = 127
+
+
+def group_amax(groups: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``groups`` fp32 ``(..., G)`` -> ``(amax, has_nonfinite)``, each ``(...)`` (SPEC 3).
+
+    ``amax`` is the largest ``|x|`` over the finite elements (0 if there are none).
+    """
+    finite = torch.isfinite(groups)
+    amax = torch.where(finite, groups.abs(), torch.zeros((), dtype=groups.dtype, device=groups.device))
+    return amax.amax(dim=-1), ~finite.all(dim=-1)
+
+
+def scales_from_amax(amax: torch.Tensor, fmt: FPFormat) -> torch.Tensor:
+    """fp32 scales of SPEC 3.1: ``max(fl(amax / fmax), 2^-126)``, and 1.0 where ``amax == 0``."""
+    fmax = torch.tensor(fmt.fmax, dtype=torch.float32, device=amax.device)
+    s = torch.clamp_min(amax / fmax, SCALE_FLOOR)  # one IEEE division, RNE
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def encode(x: torch.Tensor, r: torch.Tensor, fmt: FPFormat) -> torch.Tensor:
+    """Element encoding of SPEC 4 (round to nearest even) with the specials of SPEC 3.3.
+
+    Args:
+        x: fp32 input elements, any shape.
+        r: fp32 encoding multiplier ``1/s``, broadcastable to ``x``, finite and > 0.
+        fmt: element format.
+
+    Returns:
+        int32 codes shaped like ``x``, each in ``[0, 2^fmt.bits)``.
+    """
+    # 1. scale: one fp32 multiply, RNE; the sign comes from x (r > 0).
+    v = x * r
+    sign = ((x.view(torch.int32) >> 31) & 1) << (fmt.bits - 1)
+    # 2. saturate: RNE is monotonic and fmax is representable, so clamping before rounding equals
+    #    rounding then clamping (and turns an overflowed product of a finite x into fmax).
+    a = torch.clamp(v.abs(), max=fmt.fmax)
+    a_bits = a.view(torch.int32)
+    # 3. normal range: RNE on the fp32 bit pattern (see the module docstring), then re-bias.
+    shift = _F32_MBITS - fmt.mbits
+    rounded = a_bits + ((1 << (shift - 1)) - 1) + ((a_bits >> shift) & 1)
+    normal = (rounded >> shift) - ((_F32_BIAS - fmt.bias) << fmt.mbits)
+    # 4. subnormal range: adding M = 2^(emin - m + 23), whose ulp is the target's subnormal step,
+    #    makes the fp32 adder do the RNE; the low bits of the sum are the code (the top one, 2^m,
+    #    is the smallest normal, reached by rounding up).
+    magic = 2.0 ** (fmt.emin - fmt.mbits + _F32_MBITS)
+    magic_bits = torch.tensor(magic, dtype=torch.float32).view(torch.int32).item()
+    subnormal = (a + magic).view(torch.int32) - magic_bits
+    mag = torch.where(a < fmt.min_normal, subnormal, normal)
+    # 5. non-finite inputs (SPEC 3.3): NaN code, Inf code, or 0 for formats without them.
+    nan_code = fmt.nan_code if fmt.has_nan else 0
+    inf_code = fmt.inf_code if fmt.has_inf else nan_code
+    mag = torch.where(torch.isnan(x), nan_code, torch.where(torch.isinf(x), inf_code, mag))
+    code = mag | sign
+    if not fmt.has_nan:  # formats without specials: non-finite elements get code 0
+        code = torch.where(torch.isfinite(x), code, 0)
+    return code
+
+
+@lru_cache(maxsize=None)
+def _decode_table_cached(fmt: FPFormat, device: torch.device) -> torch.Tensor:
+    return torch.tensor(fmt.decode_table, dtype=torch.float32, device=device)
+
+
+def decode_table(fmt: FPFormat, device=None) -> torch.Tensor:
+    """fp32 tensor of the value of every code of ``fmt`` (``2^bits`` entries), on ``device``."""
+    return _decode_table_cached(fmt, torch.device(device if device is not None else "cpu"))
+
+
+def decode(codes: torch.Tensor, fmt: FPFormat) -> torch.Tensor:
+    """Integer codes -> exact fp32 values (NaN codes -> NaN, Inf codes -> +-Inf), SPEC 5."""
+    return decode_table(fmt, codes.device)[codes.long()]
