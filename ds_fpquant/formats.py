@@ -173,7 +173,7 @@ def get_format(fmt) -> FPFormat:
     try:
         return FORMATS[fmt]
     except KeyError:
-        raise ValueError(f"fmt={fmt!r} is not a supported format; allowed: {', '.join(FORMATS)}") from None
+        raise ValueError(f"fmt={fmt!r} is not supported; allowed: {', '.join(FORMATS)}") from None
 
 
 def format_from_deepspeed(q_bits, q_mantisa_bits) -> FPFormat:

@@ -143,10 +143,18 @@ def to_numpy32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
 
+def _as_numpy(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:  # numpy has no bf16; the widening to fp32 is exact and injective
+            t = t.float()
+        return t.numpy()
+    return np.asarray(t)
+
+
 def assert_bitwise_equal(actual, expected, what: str = "tensor") -> None:
     """Exact equality (NaN == NaN, -0 != +0 for floats); reports the first differing element."""
-    a = actual.detach().cpu().numpy() if isinstance(actual, torch.Tensor) else np.asarray(actual)
-    e = expected.detach().cpu().numpy() if isinstance(expected, torch.Tensor) else np.asarray(expected)
+    a, e = _as_numpy(actual), _as_numpy(expected)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
     if a.dtype.kind == "f":
         assert e.dtype == a.dtype, f"{what}: dtype {a.dtype} != expected {e.dtype}"
