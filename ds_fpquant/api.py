@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from . import checks
+from . import backends, checks
 from .formats import FORMATS, PRESETS, FPFormat, get_format
 from .packing import pack_rows, row_bytes, unpack_rows
 from .reference import SCALE_FLOOR, decode, encode, group_amax, scales_from_amax
@@ -59,9 +58,9 @@ class QuantizedTensor:
         """Bytes of codes plus scales."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def dequantize(self, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
         """Same as :func:`dequantize` (``dequantize(self, dtype)``)."""
-        return dequantize(self, dtype)
+        return dequantize(self, dtype, backend=backend)
 
 
 # ---- argument checks (SPEC 7) -----------------------------------------------------------------
@@ -109,6 +108,8 @@ def _check_quantize_args(x, fmt, group_size, grouping, block, scale_format, scal
     if scale_rounding != "ceil" and scale_format != "e8m0":
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got scale_format={scale_format!r}); leave it at 'ceil'")
+    if backend in ("cpu", "cuda") and x.device.type != backend:
+        raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
     if block is not None:
         raise NotImplementedError("block=(Br, Bc) 2-D block scaling (SPEC 2) is not implemented yet; "
                                   "use group_size with grouping='row' or 'flat'")
@@ -134,22 +135,6 @@ def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
         raise ValueError(f"scales must be finite and >= 2^-126 (SPEC 3.1) so that r = 1/s is finite; "
                          f"found {first!r}")
     return scales
-
-
-_warned_fallback = False
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    """Pick the implementation for ``backend`` on ``device``; ``"auto"`` falls back to torch."""
-    global _warned_fallback
-    if backend in ("cuda", "cpu"):
-        raise NotImplementedError(f"backend={backend!r} (compiled op) is not implemented yet; "
-                                  f"use backend='torch' or 'auto'")
-    if backend == "auto" and not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn(f"ds_fpquant: no compiled op for {device.type} tensors in this version; "
-                      f"using the torch reference backend", RuntimeWarning, stacklevel=3)
-    return "torch"
 
 
 # ---- the torch implementation of the row pipeline (SPEC 2-6) ----------------------------------
@@ -210,8 +195,9 @@ def quantize(
         grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
         block, scale_format, scale_rounding, rounding, seed, offset: see API.md; 2-D blocks,
             e8m0 scales and stochastic rounding raise ``NotImplementedError`` in this version.
-        backend: ``"auto"`` or ``"torch"``; the compiled ``"cuda"``/``"cpu"`` ops are not in this
-            version yet (``NotImplementedError``).
+        backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
+            reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
+            when it cannot be built) or ``"torch"``. All give identical bits.
         scales: optional caller-given fp32 scales shaped like the result's ``scales`` (finite,
             ``>= 2^-126``); elements are then encoded with ``r = fl(1/s)`` of these (SPEC 4,
             saturating where they are too small) and they are stored as given.
@@ -231,9 +217,12 @@ def quantize(
     rows, k = _rows_and_k(shape, grouping)
     if scales is not None:
         scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, -(-k // group_size))
-    _resolve_backend(backend, x.device)
+    impl = backends.resolve(backend, x.device)
     x2 = x.contiguous().reshape(rows, k)
-    packed, s = _quantize_rows(x2, f, group_size, scales)
+    if impl is backends.TORCH:
+        packed, s = _quantize_rows(x2, f, group_size, scales)
+    else:
+        packed, s = impl.quantize(x2, f.name, group_size, scales)
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
         scales=s.reshape(scales_shape),
@@ -267,7 +256,7 @@ def _check_quantized(qt) -> FPFormat:
     return f
 
 
-def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
     """Dequantize ``qt`` to a tensor of ``qt.shape`` (SPEC 5).
 
     ``y = fl(decode(q) * s)`` in fp32, then rounded to ``dtype`` (IEEE RNE; fp16 overflow gives
@@ -276,6 +265,7 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torc
     Args:
         qt: result of :func:`quantize`.
         dtype: fp32 / fp16 / bf16 output dtype; defaults to ``qt.dtype``.
+        backend: ``"auto"``, ``"cuda"``, ``"cpu"`` or ``"torch"``, as for :func:`quantize`.
 
     Raises:
         TypeError, ValueError: ``qt`` is inconsistent (codes/scales of the wrong dtype or shape) or
@@ -284,8 +274,13 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torc
     f = _check_quantized(qt)
     dtype = qt.dtype if dtype is None else dtype
     checks.check_float_dtype("dtype", dtype)
+    checks.check_choice("backend", backend, BACKENDS)
     rows, k = _rows_and_k(qt.shape, qt.grouping)
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
     scales = qt.scales.reshape(rows, -(-k // qt.group_size))
-    y = _dequantize_rows(packed, scales, k, f, qt.group_size, dtype)
+    impl = backends.resolve(backend, packed.device)
+    if impl is backends.TORCH:
+        y = _dequantize_rows(packed, scales, k, f, qt.group_size, dtype)
+    else:
+        y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, qt.group_size, dtype)
     return y.reshape(qt.shape)

@@ -21,6 +21,7 @@ X = torch.randn(4, 16)
     (dict(backend="tpu"), ValueError, r"backend='tpu' is not supported; allowed: 'auto', 'cuda', 'cpu', 'torch'"),
     (dict(seed=1), ValueError, r"seed=1 is only allowed with rounding='stochastic'"),
     (dict(offset=-1), ValueError, r"offset=-1"),
+    (dict(backend="cuda"), ValueError, r"backend='cuda' needs a cuda tensor; x is on cpu"),
     (dict(scale_rounding="floor"), ValueError, r"scale_rounding='floor' only applies to scale_format='e8m0'"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), TypeError, r"scales.dtype=torch.float64"),
     (dict(scales=torch.ones(4, 3)), ValueError, r"scales has shape \(4, 3\); expected \(4, 1\)"),
@@ -51,8 +52,6 @@ def test_not_a_tensor():
     (dict(block=(2, 2)), "block"),
     (dict(fmt="mxfp4"), "mxfp4"),
     (dict(fmt="nvfp4"), "nvfp4"),
-    (dict(backend="cpu"), "backend='cpu'"),
-    (dict(backend="cuda"), "backend='cuda'"),
 ])
 def test_later_features_raise_not_implemented(kwargs, feature):
     with pytest.raises(NotImplementedError, match=feature):

@@ -1,0 +1,200 @@
+// Torch binding of ds_fpquant: argument checks, output allocation, device guard and stream,
+// then the CPU kernels or (when built with FPQ_WITH_CUDA) the CUDA launchers.
+
+#include <torch/extension.h>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "fp_quantize.h"
+
+#if defined(FPQ_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace {
+
+struct FormatEntry {
+    const char* name;
+    fpq::Format id;
+};
+constexpr FormatEntry kFormats[] = {
+    {"e4m3", fpq::Format::kE4M3}, {"e5m2", fpq::Format::kE5M2}, {"e3m2", fpq::Format::kE3M2},
+    {"e2m3", fpq::Format::kE2M3}, {"e2m1", fpq::Format::kE2M1}, {"e4m7", fpq::Format::kE4M7},
+};
+
+fpq::Format parse_format(const std::string& name)
+{
+    for (const auto& entry : kFormats) {
+        if (name == entry.name) { return entry.id; }
+    }
+    TORCH_CHECK_VALUE(false, "fmt='", name, "' is not supported; allowed: ", fpq::kSupportedFormats);
+}
+
+fpq::DType parse_dtype(at::ScalarType t, const char* what)
+{
+    switch (t) {
+        case at::kFloat: return fpq::DType::kFloat32;
+        case at::kHalf: return fpq::DType::kFloat16;
+        case at::kBFloat16: return fpq::DType::kBFloat16;
+        default: break;
+    }
+    TORCH_CHECK_TYPE(false, what, ".dtype=", t, " is not supported; allowed: torch.float32, torch.float16, "
+                     "torch.bfloat16");
+}
+
+int bits_of(fpq::Format fmt)
+{
+    return fpq::dispatch_format(fmt, [](auto f) { return decltype(f)::kBits; });
+}
+
+void check_device(const at::Tensor& t, const at::Tensor& ref, const char* what)
+{
+    TORCH_CHECK_VALUE(t.device() == ref.device(), what, " is on ", t.device(), "; expected ", ref.device());
+}
+
+// Runs the kernel for `args` on the tensor's device: the CPU kernels, or the CUDA launcher on
+// the current stream under a device guard.
+template <class Args>
+void launch(fpq::Format fmt, const Args& args, const at::Tensor& t)
+{
+    constexpr bool kQuantize = std::is_same_v<Args, fpq::QuantizeArgs>;
+    if (t.is_cpu()) {
+        if constexpr (kQuantize) {
+            fpq::quantize_cpu(fmt, args);
+        } else {
+            fpq::dequantize_cpu(fmt, args);
+        }
+        return;
+    }
+#if defined(FPQ_WITH_CUDA)
+    TORCH_CHECK_VALUE(t.is_cuda(), "tensors on ", t.device(), " are not supported; allowed: cpu, cuda");
+    const c10::cuda::CUDAGuard guard(t.device());
+    void* stream = static_cast<void*>(at::cuda::getCurrentCUDAStream(t.device().index()).stream());
+    if constexpr (kQuantize) {
+        fpq::quantize_cuda(fmt, args, stream);
+    } else {
+        fpq::dequantize_cuda(fmt, args, stream);
+    }
+#else
+    TORCH_CHECK_VALUE(false, "this ds_fpquant op was built without CUDA; tensor on ", t.device());
+#endif
+}
+
+// x: (rows, k) contiguous fp32/fp16/bf16. Returns (codes uint8 (rows, row_bytes), scales fp32
+// (rows, ceil(k/G))). `given_scales`, if set, are used as the scales (SPEC 4).
+std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_name, int64_t group_size,
+                                 const c10::optional<at::Tensor>& given_scales)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D (rows, k), got ", x.dim(), "-D");
+    TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
+    TORCH_CHECK_VALUE(group_size >= 1, "group_size=", group_size, " is not allowed; it must be an int >= 1");
+    const int64_t rows = x.size(0), k = x.size(1);
+    const int64_t n_groups = fpq::ceil_div(k, group_size);
+    const int bits = bits_of(fmt);
+    fpq::QuantizeArgs args;
+    args.dtype = parse_dtype(x.scalar_type(), "x");
+    if (given_scales.has_value()) {
+        const at::Tensor& s = *given_scales;
+        TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "scales.dtype=", s.scalar_type(),
+                         " is not supported; allowed: torch.float32");
+        TORCH_CHECK_VALUE(s.dim() == 2 && s.size(0) == rows && s.size(1) == n_groups && s.is_contiguous(),
+                          "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", s.sizes());
+        check_device(s, x, "scales");
+        args.given_scales = s.data_ptr<float>();
+    }
+    auto codes = at::empty({rows, fpq::row_bytes(k, group_size, bits)}, x.options().dtype(at::kByte));
+    auto scales = at::empty({rows, n_groups}, x.options().dtype(at::kFloat));
+    args.x = x.data_ptr();
+    args.rows = rows;
+    args.k = k;
+    args.group_size = group_size;
+    args.codes = codes.data_ptr<uint8_t>();
+    args.scales = scales.data_ptr<float>();
+    if (rows * k > 0) {
+        launch(fmt, args, x);
+    }
+    return {codes, scales};
+}
+
+// codes (rows, row_bytes) uint8, scales (rows, ceil(k/G)) fp32 -> (rows, k) of `out_dtype`.
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t k, const std::string& fmt_name,
+                      int64_t group_size, at::ScalarType out_dtype)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    TORCH_CHECK_VALUE(group_size >= 1, "group_size=", group_size, " is not allowed; it must be an int >= 1");
+    TORCH_CHECK_VALUE(k >= 0, "k=", k, " must be >= 0");
+    TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(),
+                     " is not supported; allowed: torch.uint8");
+    TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "scales.dtype=", scales.scalar_type(),
+                     " is not supported; allowed: torch.float32");
+    const int64_t rows = codes.dim() == 2 ? codes.size(0) : -1;
+    const int64_t rb = fpq::row_bytes(k, group_size, bits_of(fmt));
+    const int64_t n_groups = fpq::ceil_div(k, group_size);
+    TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) == rb && codes.is_contiguous(),
+                      "codes must be contiguous with shape (rows, ", rb, "), got ", codes.sizes());
+    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == n_groups &&
+                          scales.is_contiguous(),
+                      "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", scales.sizes());
+    check_device(scales, codes, "scales");
+    fpq::DequantizeArgs args;
+    args.dtype = parse_dtype(out_dtype, "out");
+    auto out = at::empty({rows, k}, codes.options().dtype(out_dtype));
+    args.codes = codes.data_ptr<uint8_t>();
+    args.scales = scales.data_ptr<float>();
+    args.out = out.data_ptr();
+    args.rows = rows;
+    args.k = k;
+    args.group_size = group_size;
+    if (rows * k > 0) {
+        launch(fmt, args, codes);
+    }
+    return out;
+}
+
+// The C++ format table (traits of fp_codec.h), for the test that compares it with formats.py.
+py::dict format_table()
+{
+    py::dict table;
+    for (const auto& entry : kFormats) {
+        table[entry.name] = fpq::dispatch_format(entry.id, [](auto f) {
+            using F = decltype(f);
+            py::dict d;
+            d["ebits"] = F::kEbits;
+            d["mbits"] = F::kMbits;
+            d["bits"] = F::kBits;
+            d["bias"] = F::kBias;
+            d["emax"] = F::kEmax;
+            d["fmax"] = fpq::bits_f32(F::kFmaxBits);
+            d["min_normal"] = fpq::bits_f32(F::kMinNormalBits);
+            d["min_subnormal"] = fpq::bits_f32(F::kSubnormalStepBits);
+            d["has_inf"] = F::kHasInf;
+            d["has_nan"] = F::kHasNan;
+            d["max_code"] = F::kMaxCode;
+            d["nan_code"] = F::kNanCode;
+            d["inf_code"] = F::kInfCode;
+            return d;
+        });
+    }
+    return table;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "ds_fpquant group FP quantization kernels (SPEC.md)";
+    m.def("quantize", &quantize, "quantize (rows, k) -> (codes, scales)", py::arg("x"), py::arg("fmt"),
+          py::arg("group_size"), py::arg("scales") = py::none());
+    m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
+          py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
+    m.def("format_table", &format_table, "the C++ format traits");
+#if defined(FPQ_WITH_CUDA)
+    m.attr("WITH_CUDA") = true;
+#else
+    m.attr("WITH_CUDA") = false;
+#endif
+}

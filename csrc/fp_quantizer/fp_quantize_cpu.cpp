@@ -1,0 +1,145 @@
+// CPU kernels of ds_fpquant: the shared codec (fp_codec.h) in OpenMP loops over groups.
+// Inner loops are branch-free so the compiler vectorizes them (check with -fopt-info-vec).
+// No torch includes.
+
+#include <algorithm>
+#include <vector>
+
+#include "fp_quantize.h"
+
+namespace fpq {
+namespace {
+
+// Group g of a (rows, k) layout: row, first element, length, first code byte.
+struct GroupSpan {
+    int64_t row, start, len, byte_offset, index;
+};
+
+inline GroupSpan group_span(int64_t index, int64_t k, int64_t group_size, int64_t n_groups, int64_t row_bytes_,
+                            int64_t full_group_bytes)
+{
+    const int64_t row = index / n_groups;
+    const int64_t j = index % n_groups;
+    const int64_t start = j * group_size;
+    return {row, start, std::min(group_size, k - start), row * row_bytes_ + j * full_group_bytes, index};
+}
+
+// Largest finite |x| of the group, as fp32 bits: for non-negative floats the bit patterns are
+// ordered like the values, so an integer max reduction (which vectorizes) gives the amax.
+template <class T>
+inline uint32_t group_amax_bits(const T* x, int64_t len, bool& nonfinite)
+{
+    uint32_t amax = 0;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        const uint32_t a = f32_bits(load_f32(x[i])) & kF32AbsMask;
+        const bool finite = a < kF32InfBits;
+        amax = std::max(amax, finite ? a : 0u);
+        bad |= finite ? 0u : 1u;
+    }
+    nonfinite = bad != 0;
+    return amax;
+}
+
+template <class F, class T>
+inline void encode_group(const T* x, int64_t len, float r, uint8_t* dst, uint32_t* scratch)
+{
+    if constexpr (F::kBits == 8) {
+        for (int64_t i = 0; i < len; ++i) { dst[i] = uint8_t(encode_rne<F>(load_f32(x[i]), r)); }
+    } else {
+        using Unit = PackUnit<F::kBits>;
+        const int64_t units = ceil_div(len, Unit::kCodes);
+        for (int64_t i = 0; i < len; ++i) { scratch[i] = encode_rne<F>(load_f32(x[i]), r); }
+        for (int64_t i = len; i < units * Unit::kCodes; ++i) { scratch[i] = 0; }  // padding codes are 0
+        const int64_t nbytes = group_bytes(len, F::kBits);
+        for (int64_t u = 0; u < units; ++u) {
+            const uint32_t word = pack_unit<F::kBits>(scratch + u * Unit::kCodes);
+            for (int b = 0; b < Unit::kBytes && u * Unit::kBytes + b < nbytes; ++b) {
+                dst[u * Unit::kBytes + b] = uint8_t(word >> (8 * b));
+            }
+        }
+    }
+}
+
+template <class F, class T>
+void quantize_rows(const QuantizeArgs& a)
+{
+    const T* x = static_cast<const T*>(a.x);
+    const int64_t n_groups = ceil_div(a.k, a.group_size);
+    const int64_t total = a.rows * n_groups;
+    const int64_t rb = row_bytes(a.k, a.group_size, F::kBits);
+    const int64_t gb = group_bytes(a.group_size, F::kBits);
+#pragma omp parallel
+    {
+        std::vector<uint32_t> scratch(F::kBits == 8 ? 0 : a.group_size + PackUnit<F::kBits>::kCodes);
+#pragma omp for schedule(static)
+        for (int64_t index = 0; index < total; ++index) {
+            const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
+            const T* xs = x + g.row * a.k + g.start;
+            bool nonfinite = false;
+            const float amax = bits_f32(group_amax_bits(xs, g.len, nonfinite));
+            const float s = a.given_scales ? a.given_scales[index] : scale_from_amax<F>(amax);
+            encode_group<F>(xs, g.len, multiplier_from_scale(s), a.codes + g.byte_offset, scratch.data());
+            // SPEC 3.3: a format without a NaN code carries the fault in the stored scale.
+            a.scales[index] = (!F::kHasNan && nonfinite) ? bits_f32(kF32QuietNan) : s;
+        }
+    }
+}
+
+template <class F, class T>
+void dequantize_rows(const DequantizeArgs& a)
+{
+    T* out = static_cast<T*>(a.out);
+    const int64_t n_groups = ceil_div(a.k, a.group_size);
+    const int64_t total = a.rows * n_groups;
+    const int64_t rb = row_bytes(a.k, a.group_size, F::kBits);
+    const int64_t gb = group_bytes(a.group_size, F::kBits);
+#pragma omp parallel
+    {
+        std::vector<uint32_t> scratch(F::kBits == 8 ? 0 : a.group_size + PackUnit<F::kBits>::kCodes);
+#pragma omp for schedule(static)
+        for (int64_t index = 0; index < total; ++index) {
+            const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
+            const uint8_t* src = a.codes + g.byte_offset;
+            T* dst = out + g.row * a.k + g.start;
+            const float s = a.scales[index];
+            if constexpr (F::kBits == 8) {
+                for (int64_t i = 0; i < g.len; ++i) { dst[i] = store_from_f32<T>(mul_rn(decode<F>(src[i]), s)); }
+            } else {
+                using Unit = PackUnit<F::kBits>;
+                const int64_t units = ceil_div(g.len, Unit::kCodes);
+                const int64_t nbytes = group_bytes(g.len, F::kBits);
+                for (int64_t u = 0; u < units; ++u) {
+                    uint32_t word = 0;
+                    for (int b = 0; b < Unit::kBytes && u * Unit::kBytes + b < nbytes; ++b) {
+                        word |= uint32_t(src[u * Unit::kBytes + b]) << (8 * b);
+                    }
+                    for (int j = 0; j < Unit::kCodes; ++j) {
+                        scratch[u * Unit::kCodes + j] = unpack_code<F::kBits>(word, j);
+                    }
+                }
+                for (int64_t i = 0; i < g.len; ++i) {
+                    dst[i] = store_from_f32<T>(mul_rn(decode<F>(scratch[i]), s));
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void quantize_cpu(Format fmt, const QuantizeArgs& args)
+{
+    dispatch_format(fmt, [&](auto f) {
+        dispatch_dtype(args.dtype, [&](auto t) { quantize_rows<decltype(f), decltype(t)>(args); });
+    });
+}
+
+void dequantize_cpu(Format fmt, const DequantizeArgs& args)
+{
+    dispatch_format(fmt, [&](auto f) {
+        dispatch_dtype(args.dtype, [&](auto t) { dequantize_rows<decltype(f), decltype(t)>(args); });
+    });
+}
+
+}  // namespace fpq

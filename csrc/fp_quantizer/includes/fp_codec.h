@@ -1,0 +1,318 @@
+// ds_fpquant codec: the one implementation of SPEC 1, 3.1, 4 and 5 shared by the CPU kernels
+// (compiled as C++) and the CUDA kernels (compiled by nvcc). No torch includes.
+//
+// Everything is plain IEEE fp32 arithmetic plus integer bit manipulation, written to match the
+// torch reference (ds_fpquant/reference.py) bit for bit. On the device the fp32 operations are
+// the explicit round-to-nearest intrinsics, so --use_fast_math / -ftz cannot change results.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FPQ_HD __host__ __device__ __forceinline__
+#else
+#define FPQ_HD inline
+#endif
+
+namespace fpq {
+
+// ---------------------------------------------------------------------------------------------
+// fp32 bit helpers and IEEE round-to-nearest operations
+// ---------------------------------------------------------------------------------------------
+constexpr int kF32ManBits = 23;
+constexpr int kF32Bias = 127;
+constexpr uint32_t kF32AbsMask = 0x7fffffffu;
+constexpr uint32_t kF32InfBits = 0x7f800000u;
+constexpr uint32_t kF32QuietNan = 0x7fc00000u;
+constexpr uint32_t kScaleFloorBits = 0x00800000u;  // 2^-126, the smallest normal fp32 (SPEC 3.1)
+
+FPQ_HD uint32_t f32_bits(float f)
+{
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+#endif
+}
+
+FPQ_HD float bits_f32(uint32_t u)
+{
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+#endif
+}
+
+FPQ_HD float mul_rn(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;  // the CPU build uses -ffp-contract=off and no -ffast-math
+#endif
+}
+
+FPQ_HD float add_rn(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+FPQ_HD float div_rn(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+FPQ_HD bool f32_is_finite(uint32_t bits) { return (bits & kF32AbsMask) < kF32InfBits; }
+
+// ---------------------------------------------------------------------------------------------
+// Format traits (SPEC 1). Mirrors ds_fpquant/formats.py; a test compares the two tables.
+// Only ebits, mbits and the meaning of the top exponent code are given; the rest is derived.
+// ---------------------------------------------------------------------------------------------
+enum class TopCode : int {
+    kIeee = 0,            // all-ones exponent: Inf (mantissa 0) or NaN. e5m2.
+    kNanOnlyAllOnes = 1,  // only S.1..1.1..1 is NaN. e4m3.
+    kFinite = 2,          // every code finite: no NaN, no Inf. FP6, FP4, e4m7.
+};
+
+template <int kE, int kM, TopCode kTopCode>
+struct FormatTraits {
+    static constexpr int kEbits = kE;
+    static constexpr int kMbits = kM;
+    static constexpr TopCode kTop = kTopCode;
+    static constexpr int kBits = 1 + kE + kM;
+    static constexpr int kBias = (1 << (kE - 1)) - 1;
+    static constexpr int kEmin = 1 - kBias;
+    static constexpr int kMaxBiasedExp = kTopCode == TopCode::kIeee ? (1 << kE) - 2 : (1 << kE) - 1;
+    static constexpr int kMaxManAtTop = kTopCode == TopCode::kNanOnlyAllOnes ? (1 << kM) - 2 : (1 << kM) - 1;
+    static constexpr int kEmax = kMaxBiasedExp - kBias;
+    static constexpr bool kHasInf = kTopCode == TopCode::kIeee;
+    static constexpr bool kHasNan = kTopCode != TopCode::kFinite;
+    static constexpr uint32_t kSignBit = 1u << (kBits - 1);
+    static constexpr uint32_t kCodeMask = (1u << kBits) - 1;
+    static constexpr uint32_t kMaxCode = (uint32_t(kMaxBiasedExp) << kM) | uint32_t(kMaxManAtTop);
+    static constexpr uint32_t kNanCode = kHasNan ? kSignBit - 1 : 0;  // S.1..1.1..1 (SPEC 3.3)
+    static constexpr uint32_t kInfCode = kHasInf ? ((1u << kE) - 1) << kM : kNanCode;
+    // fp32 bit patterns of the limits; every limit of every format is an fp32 value.
+    static constexpr uint32_t kFmaxBits =
+        (uint32_t(kEmax + kF32Bias) << kF32ManBits) | (uint32_t(kMaxManAtTop) << (kF32ManBits - kM));
+    static constexpr uint32_t kMinNormalBits = uint32_t(kEmin + kF32Bias) << kF32ManBits;
+    static constexpr uint32_t kSubnormalStepBits = uint32_t(kEmin - kM + kF32Bias) << kF32ManBits;
+    // M = 2^(emin - m + 23): the fp32 ulp of M is the format's subnormal step, so fl(a + M)
+    // rounds a to the subnormal grid (RNE by the fp32 adder) and its low bits are the code.
+    static constexpr uint32_t kMagicBits = uint32_t(kEmin - kM + kF32ManBits + kF32Bias) << kF32ManBits;
+    static constexpr int kRoundShift = kF32ManBits - kM;
+    static constexpr uint32_t kRebias = uint32_t(kF32Bias - kBias) << kM;
+
+    static_assert(kE >= 2 && kE <= 8 && kM >= 1 && kM <= 10, "format outside the codec's range");
+    static_assert(kEmin - kM + kF32Bias > 0, "subnormal step must be a normal fp32");
+};
+
+using E4M3 = FormatTraits<4, 3, TopCode::kNanOnlyAllOnes>;  // max 1.75 * 2^8 = 448
+using E5M2 = FormatTraits<5, 2, TopCode::kIeee>;            // max 1.75 * 2^15 = 57344
+using E3M2 = FormatTraits<3, 2, TopCode::kFinite>;          // max 1.75 * 2^4 = 28
+using E2M3 = FormatTraits<2, 3, TopCode::kFinite>;          // max 1.875 * 2^2 = 7.5
+using E2M1 = FormatTraits<2, 1, TopCode::kFinite>;          // max 1.5 * 2^2 = 6
+using E4M7 = FormatTraits<4, 7, TopCode::kFinite>;          // max (2 - 2^-7) * 2^8 = 510
+
+// ---------------------------------------------------------------------------------------------
+// Scales (SPEC 3.1)
+// ---------------------------------------------------------------------------------------------
+
+// |x| for finite x, 0 for NaN/Inf: the amax of a group ignores non-finite elements.
+FPQ_HD float finite_abs(float x)
+{
+    const uint32_t a = f32_bits(x) & kF32AbsMask;
+    return a < kF32InfBits ? bits_f32(a) : 0.0f;
+}
+
+// s = max(fl(amax / fmax), 2^-126); s = 1 when amax == 0.
+template <class F>
+FPQ_HD float scale_from_amax(float amax)
+{
+    const float s = div_rn(amax, bits_f32(F::kFmaxBits));
+    const float floored = f32_bits(s) < kScaleFloorBits ? bits_f32(kScaleFloorBits) : s;
+    return amax == 0.0f ? 1.0f : floored;
+}
+
+// r = fl(1 / s), from the stored s.
+FPQ_HD float multiplier_from_scale(float s) { return div_rn(1.0f, s); }
+
+// ---------------------------------------------------------------------------------------------
+// Element encoding (SPEC 4, round to nearest even; SPEC 3.3 specials)
+//
+//  1. non-finite x: NaN code / Inf code (sign kept) where the format has them, else code 0;
+//  2. v = fl(x * r), a = min(|v|, fmax): saturation before rounding equals after (RNE is
+//     monotonic and fmax is representable) and maps an overflowed product to fmax;
+//  3. a >= min normal: RNE on the fp32 pattern, then re-bias the exponent:
+//
+//        0 | eeeeeeee | mmm r ssss...s        keep m bits, r = round bit, s = sticky bits
+//        add (2^(22-m) - 1) + lowest kept bit, drop 23-m bits; a carry moves into the exponent
+//
+//  4. a < min normal: fl(a + M) with M = 2^(emin - m + 23) rounds onto the subnormal grid;
+//     bits(sum) - bits(M) is the code (2^m = the smallest normal when it rounds up);
+//  5. put the sign back (a magnitude that rounds to 0 keeps it: the -0 code).
+// ---------------------------------------------------------------------------------------------
+template <class F>
+FPQ_HD uint32_t encode_finite_magnitude(float v)
+{
+    const float a_raw = bits_f32(f32_bits(v) & kF32AbsMask);
+    const float fmax = bits_f32(F::kFmaxBits);
+    const float a = a_raw < fmax ? a_raw : fmax;
+    const uint32_t ab = f32_bits(a);
+    const uint32_t rounded = ab + ((1u << (F::kRoundShift - 1)) - 1) + ((ab >> F::kRoundShift) & 1u);
+    const uint32_t normal = (rounded >> F::kRoundShift) - F::kRebias;
+    const uint32_t subnormal = f32_bits(add_rn(a, bits_f32(F::kMagicBits))) - F::kMagicBits;
+    return ab < F::kMinNormalBits ? subnormal : normal;
+}
+
+// Code of x scaled by r (r finite, > 0).
+template <class F>
+FPQ_HD uint32_t encode_rne(float x, float r)
+{
+    const uint32_t xb = f32_bits(x);
+    const uint32_t sign = (xb >> 31) << (F::kBits - 1);
+    const uint32_t mag = encode_finite_magnitude<F>(mul_rn(x, r));
+    const bool is_inf = (xb & kF32AbsMask) == kF32InfBits;
+    const uint32_t special = F::kHasNan ? (sign | (is_inf ? F::kInfCode : F::kNanCode)) : 0u;
+    return f32_is_finite(xb) ? (sign | mag) : special;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding (SPEC 5): code -> exact fp32 value; NaN codes -> quiet NaN, Inf codes -> +-Inf.
+// ---------------------------------------------------------------------------------------------
+template <class F>
+FPQ_HD float decode(uint32_t code)
+{
+    constexpr uint32_t kExpAllOnes = (1u << F::kEbits) - 1;
+    constexpr uint32_t kManAllOnes = (1u << F::kMbits) - 1;
+    const uint32_t exp = (code >> F::kMbits) & kExpAllOnes;
+    const uint32_t man = code & kManAllOnes;
+    const uint32_t sign = (code >> (F::kBits - 1)) << 31;
+    // subnormal: man * 2^(emin - m), exact in fp32
+    const float sub = mul_rn(float(man), bits_f32(F::kSubnormalStepBits));
+    const uint32_t normal = ((exp + uint32_t(kF32Bias - F::kBias)) << kF32ManBits) | (man << F::kRoundShift);
+    uint32_t bits = sign | (exp == 0 ? f32_bits(sub) : normal);
+    if (F::kTop == TopCode::kIeee && exp == kExpAllOnes) {
+        bits = man == 0 ? (sign | kF32InfBits) : kF32QuietNan;
+    }
+    if (F::kTop == TopCode::kNanOnlyAllOnes && exp == kExpAllOnes && man == kManAllOnes) { bits = kF32QuietNan; }
+    return bits_f32(bits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (SPEC 6): a group's codes form a little-endian bit stream. It repeats every pack unit
+// of lcm(b, 8) bits: kCodes codes fill kBytes bytes (b=8: 1/1, b=4: 2/1, b=6: 4/3, b=12: 2/3).
+// ---------------------------------------------------------------------------------------------
+constexpr int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
+
+template <int kBitsPerCode>
+struct PackUnit {
+    static constexpr int kUnitBits = kBitsPerCode / gcd_int(kBitsPerCode, 8) * 8;
+    static constexpr int kCodes = kUnitBits / kBitsPerCode;
+    static constexpr int kBytes = kUnitBits / 8;
+    static_assert(kUnitBits <= 32, "a pack unit must fit a 32-bit word");
+};
+
+FPQ_HD int64_t group_bytes(int64_t g, int bits) { return (g * bits + 7) / 8; }
+
+FPQ_HD int64_t row_bytes(int64_t k, int64_t group_size, int bits)
+{
+    return (k / group_size) * group_bytes(group_size, bits) + group_bytes(k % group_size, bits);
+}
+
+// Or the unit's codes into one word: code j at bits [j*b, (j+1)*b).
+template <int kBitsPerCode>
+FPQ_HD uint32_t pack_unit(const uint32_t* codes)
+{
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < PackUnit<kBitsPerCode>::kCodes; ++j) { word |= codes[j] << (j * kBitsPerCode); }
+    return word;
+}
+
+template <int kBitsPerCode>
+FPQ_HD uint32_t unpack_code(uint32_t word, int j)
+{
+    return (word >> (j * kBitsPerCode)) & ((1u << kBitsPerCode) - 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit float conversions (exact widening; RNE narrowing as IEEE and torch do)
+// ---------------------------------------------------------------------------------------------
+FPQ_HD float bf16_bits_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+FPQ_HD float fp16_bits_to_f32(uint16_t h)
+{
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    // fp16 exponent+mantissa placed in an fp32 and scaled by 2^112 re-biases normals and
+    // normalises subnormals exactly; the all-ones exponent (Inf/NaN) is mapped directly.
+    const float scaled = mul_rn(bits_f32(em << 13), bits_f32(uint32_t(112 + kF32Bias) << kF32ManBits));
+    const uint32_t mag = em >= 0x7c00u ? (kF32InfBits | ((em & 0x3ffu) << 13)) : f32_bits(scaled);
+    return bits_f32(sign | mag);
+}
+
+FPQ_HD uint16_t f32_to_bf16_bits(float f)
+{
+    const uint32_t u = f32_bits(f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE; Inf stays Inf
+    return uint16_t((u & kF32AbsMask) > kF32InfBits ? 0x7fc0u : rounded);  // NaN -> quiet NaN
+}
+
+// fp32 -> fp16 with RNE, subnormals and overflow to Inf (the classic FP16 library algorithm).
+FPQ_HD uint16_t f32_to_fp16_bits(float f)
+{
+    const float scale_to_inf = bits_f32(0x77800000u);   // 2^112
+    const float scale_to_zero = bits_f32(0x08800000u);  // 2^-110
+    float base = mul_rn(mul_rn(bits_f32(f32_bits(f) & kF32AbsMask), scale_to_inf), scale_to_zero);
+    const uint32_t w = f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = add_rn(bits_f32((bias >> 1) + 0x07800000u), base);
+    const uint32_t bits = f32_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
+    const uint32_t mantissa_bits = bits & 0x00000fffu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return uint16_t((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types and formats the kernels are built for; the one dispatch point of each backend
+// switches on these ids and raises (listing the supported values) on anything else.
+// ---------------------------------------------------------------------------------------------
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class Format : int { kE4M3 = 0, kE5M2 = 1, kE3M2 = 2, kE2M3 = 3, kE2M1 = 4, kE4M7 = 5 };
+
+struct Fp16 { uint16_t bits; };
+struct Bf16 { uint16_t bits; };
+
+FPQ_HD float load_f32(float v) { return v; }
+FPQ_HD float load_f32(Fp16 v) { return fp16_bits_to_f32(v.bits); }
+FPQ_HD float load_f32(Bf16 v) { return bf16_bits_to_f32(v.bits); }
+
+template <class T>
+FPQ_HD T store_from_f32(float f);
+template <>
+FPQ_HD float store_from_f32<float>(float f) { return f; }
+template <>
+FPQ_HD Fp16 store_from_f32<Fp16>(float f) { return Fp16{f32_to_fp16_bits(f)}; }
+template <>
+FPQ_HD Bf16 store_from_f32<Bf16>(float f) { return Bf16{f32_to_bf16_bits(f)}; }
+
+}  // namespace fpq

@@ -1,0 +1,76 @@
+// Kernel interface of ds_fpquant: argument structs, the format/dtype dispatch point, and the
+// CPU and CUDA entry points. No torch includes (the torch binding is fp_quantize_binding.cpp).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "fp_codec.h"
+
+namespace fpq {
+
+// Row layout of SPEC 2 and 6: `rows` rows of `k` elements, cut into groups of `group_size`
+// (the last group of a row may be shorter); codes packed per row, `row_bytes(k, G, bits)` bytes.
+struct QuantizeArgs {
+    const void* x = nullptr;              // (rows, k) elements of `dtype`, contiguous
+    DType dtype = DType::kFloat32;
+    int64_t rows = 0;
+    int64_t k = 0;
+    int64_t group_size = 1;
+    const float* given_scales = nullptr;  // optional (rows, ceil(k/G)) caller-given scales
+    uint8_t* codes = nullptr;             // (rows, row_bytes) output
+    float* scales = nullptr;              // (rows, ceil(k/G)) output
+};
+
+struct DequantizeArgs {
+    const uint8_t* codes = nullptr;  // (rows, row_bytes)
+    const float* scales = nullptr;   // (rows, ceil(k/G))
+    void* out = nullptr;             // (rows, k) elements of `dtype`
+    DType dtype = DType::kFloat32;
+    int64_t rows = 0;
+    int64_t k = 0;
+    int64_t group_size = 1;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr const char* kSupportedFormats = "e4m3, e5m2, e3m2, e2m3, e2m1, e4m7";
+
+// The one dispatch point: calls fn(Traits{}) for the format, raises on anything else.
+template <class Fn>
+decltype(auto) dispatch_format(Format fmt, Fn&& fn)
+{
+    switch (fmt) {
+        case Format::kE4M3: return fn(E4M3{});
+        case Format::kE5M2: return fn(E5M2{});
+        case Format::kE3M2: return fn(E3M2{});
+        case Format::kE2M3: return fn(E2M3{});
+        case Format::kE2M1: return fn(E2M1{});
+        case Format::kE4M7: return fn(E4M7{});
+    }
+    throw std::invalid_argument("ds_fpquant: unknown format id " + std::to_string(int(fmt)) +
+                                "; supported formats: " + kSupportedFormats);
+}
+
+template <class Fn>
+decltype(auto) dispatch_dtype(DType dtype, Fn&& fn)
+{
+    switch (dtype) {
+        case DType::kFloat32: return fn(float{});
+        case DType::kFloat16: return fn(Fp16{});
+        case DType::kBFloat16: return fn(Bf16{});
+    }
+    throw std::invalid_argument("ds_fpquant: unknown dtype id " + std::to_string(int(dtype)) +
+                                "; supported dtypes: float32, float16, bfloat16");
+}
+
+// CPU kernels (fp_quantize_cpu.cpp), OpenMP over groups.
+void quantize_cpu(Format fmt, const QuantizeArgs& args);
+void dequantize_cpu(Format fmt, const DequantizeArgs& args);
+
+// CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.
+void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream);
+void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream);
+
+}  // namespace fpq

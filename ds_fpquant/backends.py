@@ -1,0 +1,87 @@
+"""Backend selection: the compiled ops (DeepSpeed op builders) and the torch reference.
+
+``"auto"`` uses the compiled op for the tensor's device when it builds and loads, and falls back
+to the torch implementation otherwise, with one warning per process saying why. ``"cpu"`` and
+``"cuda"`` ask for a compiled op explicitly and raise when it cannot be had.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["resolve", "load_op", "op_status", "TORCH"]
+
+#: Name of the torch reference backend.
+TORCH = "torch"
+
+_lock = threading.Lock()
+_ops: Dict[str, Tuple[Optional[object], str]] = {}  # backend -> (module or None, reason)
+_warned: Dict[str, bool] = {}
+
+
+def _builder(backend: str):
+    if backend == "cpu":
+        from .op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
+        return FPQuantizerCPUBuilder()
+    from .op_builder.fp_quantizer import FPQuantizerBuilder
+    return FPQuantizerBuilder()
+
+
+def load_op(backend: str) -> Tuple[Optional[object], str]:
+    """(compiled module, '') for ``"cpu"``/``"cuda"``, or (None, why it is not available).
+
+    The first call builds (JIT) or imports the op; the result, success or failure, is cached.
+    """
+    with _lock:
+        if backend not in _ops:
+            try:
+                builder = _builder(backend)
+                if not builder.is_compatible(verbose=False):
+                    _ops[backend] = (None, builder.error_log or f"{builder.NAME} is not compatible with this system")
+                else:
+                    _ops[backend] = (builder.load(verbose=False), "")
+            except Exception as exc:  # a failed build must not break the torch fallback
+                _ops[backend] = (None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
+        return _ops[backend]
+
+
+def op_status(backend: str) -> str:
+    """'' when the compiled op for ``backend`` is available, else the reason."""
+    return load_op(backend)[1]
+
+
+def resolve(backend: str, device: torch.device):
+    """The compiled module to run on ``device`` for ``backend``, or :data:`TORCH`.
+
+    Raises:
+        ValueError: ``backend`` names a device the tensor is not on.
+        RuntimeError: an explicitly requested compiled op cannot be built or loaded.
+    """
+    if backend == TORCH:
+        return TORCH
+    if backend in ("cpu", "cuda"):
+        if device.type != backend:
+            raise ValueError(f"backend={backend!r} needs a {backend} tensor; the input is on {device}")
+        module, reason = load_op(backend)
+        if module is None:
+            raise RuntimeError(f"backend={backend!r}: the compiled op is not available: {reason}")
+        return module
+    if device.type not in ("cpu", "cuda"):
+        _warn_once(device.type, f"no compiled op for {device.type} tensors")
+        return TORCH
+    module, reason = load_op(device.type)
+    if module is None:
+        _warn_once(device.type, reason)
+        return TORCH
+    return module
+
+
+def _warn_once(key: str, reason: str) -> None:
+    if not _warned.get(key):
+        _warned[key] = True
+        warnings.warn(f"ds_fpquant: using the torch backend for {key} tensors: {reason}", RuntimeWarning,
+                      stacklevel=4)

@@ -1,0 +1,69 @@
+"""Shared pieces of this project's DeepSpeed op builders.
+
+Sources and include paths resolve from the installed package: ``op_builder/`` is installed as
+``ds_fpquant/op_builder`` next to ``ds_fpquant/csrc`` (package data), and in a source checkout
+``op_builder/`` sits next to ``csrc/``; either way the sources are ``<parent of this folder>/csrc``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+#: Root of the C++/CUDA sources.
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+#: Flags that would let the compiler change fp32 results (SPEC 3.1: no fast-math, no FTZ).
+FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "-ffast-math", "-Ofast")
+
+
+def csrc_path(*parts: str) -> str:
+    """Absolute path of a file under ``csrc/`` (DeepSpeed keeps absolute paths as they are)."""
+    return str(CSRC.joinpath(*parts))
+
+
+def without_fast_math(args: List[str]) -> List[str]:
+    """``args`` minus any flag that enables fast-math approximations or flush-to-zero."""
+    return [a for a in args if a not in FAST_MATH_FLAGS and not a.startswith(("-ftz=true", "--ftz=true"))]
+
+
+def cxx_std_flag() -> str:
+    """The C++ standard torch's headers need (C++20 from torch 2.12, as DeepSpeed's builders use)."""
+    import torch
+
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 12) else "-std=c++17"
+
+
+class PrebuiltFirstMixin:
+    """``load()`` that imports a prebuilt module (``DS_BUILD_*=1 pip install .``) before JIT-building.
+
+    DeepSpeed's own ``load()`` only knows its own prebuilt ops (``deepspeed.git_version_info``).
+    """
+
+    _modules: Dict[str, object] = {}
+
+    def load(self, verbose: bool = False):
+        if self.name in PrebuiltFirstMixin._modules:
+            return PrebuiltFirstMixin._modules[self.name]
+        try:
+            module = importlib.import_module(self.absolute_name())
+        except ImportError:
+            module = self.jit_load(verbose)
+        PrebuiltFirstMixin._modules[self.name] = module
+        return module
+
+    @staticmethod
+    def compiler_missing_reason() -> str:
+        """Why a C++ build cannot run here ('' when a compiler and ninja are present)."""
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            return f"no C++ compiler ({cxx!r} not on PATH; set CXX)"
+        if shutil.which("ninja") is None:
+            try:
+                import ninja  # noqa: F401  (the pip package puts ninja on PATH of the venv)
+            except ImportError:
+                return "ninja is not installed (pip install ninja)"
+        return ""

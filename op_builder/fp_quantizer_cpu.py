@@ -1,0 +1,41 @@
+"""``FPQuantizerCPUBuilder``: the compiled CPU op (C++ with OpenMP, no CUDA toolkit needed)."""
+
+from __future__ import annotations
+
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+from .builder import PrebuiltFirstMixin, csrc_path, cxx_std_flag
+
+
+class FPQuantizerCPUBuilder(PrebuiltFirstMixin, OpBuilder):
+    """Builds ``csrc/fp_quantizer`` (shared codec header + CPU kernels + torch binding) as C++."""
+
+    BUILD_VAR = "DS_BUILD_FPQUANT_CPU"
+    NAME = "ds_fpquant_cpu"
+
+    def __init__(self, name=None):
+        super().__init__(name=self.NAME if name is None else name)
+
+    def absolute_name(self):
+        return f"ds_fpquant.ops.{self.NAME}_op"
+
+    def sources(self):
+        return [csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"), csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]
+
+    def include_paths(self):
+        return [csrc_path("fp_quantizer", "includes")]
+
+    def cxx_args(self):
+        # -ffp-contract=off: no fused multiply-adds (SPEC 3.1: each fp32 operation rounds on its own).
+        return ["-O3", cxx_std_flag(), self.cpu_arch(), "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
+                "-Wall", "-Wno-unknown-pragmas"]
+
+    def extra_ldflags(self):
+        return ["-fopenmp"]
+
+    def is_compatible(self, verbose=False):
+        reason = self.compiler_missing_reason()
+        if reason and verbose:
+            self.warning(f"{self.NAME}: {reason}")
+        self.error_log = reason or None
+        return not reason and super().is_compatible(verbose)
