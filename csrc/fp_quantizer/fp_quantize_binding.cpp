@@ -10,7 +10,7 @@
 #include "fp_quantize.h"
 
 #if defined(FPQ_WITH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -72,7 +72,7 @@ void launch(fpq::Format fmt, const Args& args, const at::Tensor& t)
 #if defined(FPQ_WITH_CUDA)
     TORCH_CHECK_VALUE(t.is_cuda(), "tensors on ", t.device(), " are not supported; allowed: cpu, cuda");
     const c10::cuda::CUDAGuard guard(t.device());
-    void* stream = static_cast<void*>(at::cuda::getCurrentCUDAStream(t.device().index()).stream());
+    void* stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
     if constexpr (kQuantize) {
         fpq::quantize_cuda(fmt, args, stream);
     } else {

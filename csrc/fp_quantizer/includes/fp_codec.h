@@ -227,6 +227,8 @@ struct PackUnit {
     static_assert(kUnitBits <= 32, "a pack unit must fit a 32-bit word");
 };
 
+FPQ_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 FPQ_HD int64_t group_bytes(int64_t g, int bits) { return (g * bits + 7) / 8; }
 
 FPQ_HD int64_t row_bytes(int64_t k, int64_t group_size, int bits)

@@ -33,8 +33,6 @@ struct DequantizeArgs {
     int64_t group_size = 1;
 };
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 constexpr const char* kSupportedFormats = "e4m3, e5m2, e3m2, e2m3, e2m1, e4m7";
 
 // The one dispatch point: calls fn(Traits{}) for the format, raises on anything else.
