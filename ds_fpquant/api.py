@@ -84,23 +84,25 @@ def _scales_shape(shape, grouping: str, group_size: int) -> Tuple[int, ...]:
 def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int, ...]:
     rows, k = _rows_and_k(shape, grouping)
     nbytes = row_bytes(k, group_size, bits)
-    return (nbytes,) if grouping == "flat" else (*shape[:-1], nbytes)
+    if grouping == "flat":
+        return (nbytes,)
+    if not shape:  # a 0-d tensor is one row of one element; 8-bit codes keep the input's shape
+        return () if bits == 8 else (nbytes,)
+    return (*shape[:-1], nbytes)
 
 
-def _check_quantize_args(x, fmt, group_size, grouping, block, scale_format, scale_rounding, rounding, seed,
-                         offset, backend) -> FPFormat:
+def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed,
+                         backend) -> FPFormat:
     checks.check_tensor("x", x)
     if isinstance(fmt, str) and fmt in PRESETS:
         raise NotImplementedError(f"fmt={fmt!r} (MX / NVFP4 presets, SPEC 3.2 and 3.4) is not implemented yet; "
                                   f"implemented formats: {', '.join(FORMATS)}")
     f = get_format(fmt)
-    checks.check_int("group_size", group_size, 1)
     checks.check_choice("grouping", grouping, GROUPINGS)
     checks.check_choice("scale_format", scale_format, SCALE_FORMATS)
     checks.check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
     checks.check_choice("rounding", rounding, ROUNDINGS)
     checks.check_choice("backend", backend, BACKENDS)
-    checks.check_int("offset", offset, 0)
     if seed is not None:
         if rounding != "stochastic":
             raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
@@ -210,19 +212,24 @@ def quantize(
         TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
         NotImplementedError: features of later versions named above.
     """
-    f = _check_quantize_args(x, fmt, group_size, grouping, block, scale_format, scale_rounding, rounding, seed,
-                             offset, backend)
+    group_size = checks.check_int("group_size", group_size, 1)
+    offset = checks.check_int("offset", offset, 0)
+    f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)
-    if scales is not None:
+    if scales is not None:  # an owning contiguous copy: the result never aliases the caller's tensor
         scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, -(-k // group_size))
+        scales = scales.clone(memory_format=torch.contiguous_format)
     impl = backends.resolve(backend, x.device)
-    x2 = x.contiguous().reshape(rows, k)
-    if impl is backends.TORCH:
-        packed, s = _quantize_rows(x2, f, group_size, scales)
-    else:
-        packed, s = impl.quantize(x2, f.name, group_size, scales)
+    # A group never spans rows, so G >= K means one group of K per row: same layout, bounded work.
+    g_eff = min(group_size, max(k, 1))
+    with torch.no_grad():  # quantization is not differentiable; results never carry autograd history
+        x2 = x.detach().contiguous().reshape(rows, k)
+        if impl is backends.TORCH:
+            packed, s = _quantize_rows(x2, f, g_eff, scales)
+        else:
+            packed, s = impl.quantize(x2, f.name, g_eff, scales)
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
         scales=s.reshape(scales_shape),
@@ -241,6 +248,9 @@ def _check_quantized(qt) -> FPFormat:
     f = get_format(qt.fmt)
     checks.check_int("qt.group_size", qt.group_size, 1)
     checks.check_choice("qt.grouping", qt.grouping, GROUPINGS)
+    checks.check_shape("qt.shape", qt.shape)
+    checks.check_float_dtype("qt.dtype", qt.dtype)
+    checks.check_choice("qt.scale_format", qt.scale_format, SCALE_FORMATS)
     if qt.scale_format != "fp32" or qt.block is not None:
         raise NotImplementedError(f"dequantize of scale_format={qt.scale_format!r}, block={qt.block!r} "
                                   f"is not implemented yet")
@@ -279,8 +289,10 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
     scales = qt.scales.reshape(rows, -(-k // qt.group_size))
     impl = backends.resolve(backend, packed.device)
-    if impl is backends.TORCH:
-        y = _dequantize_rows(packed, scales, k, f, qt.group_size, dtype)
-    else:
-        y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, qt.group_size, dtype)
+    g_eff = min(qt.group_size, max(k, 1))  # as in quantize
+    with torch.no_grad():
+        if impl is backends.TORCH:
+            y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
+        else:
+            y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
     return y.reshape(qt.shape)

@@ -6,8 +6,10 @@ given and what is allowed.
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
+import numpy as np
 import torch
 
 #: Input / output dtypes every backend accepts (SPEC 7).
@@ -26,12 +28,28 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {_names(allowed)}")
 
 
-def check_int(name: str, value, minimum: int) -> None:
-    """``value`` must be an ``int`` (not ``bool``) and ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` must be an integer (``int``, numpy integer; not ``bool``) ``>= minimum``; returns it as ``int``."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} ({value!r})")
+    value = operator.index(value)
     if value < minimum:
         raise ValueError(f"{name}={value} is not allowed; it must be an int >= {minimum}")
+    return value
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` must be a ``bool`` (or the ints 0 / 1 older callers pass); returns it as ``bool``."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def check_shape(name: str, value) -> tuple:
+    """``value`` must be a sequence of ints >= 0 (a ``torch.Size`` or tuple); returns it as a tuple."""
+    if not isinstance(value, (tuple, list, torch.Size)):
+        raise TypeError(f"{name} must be a tuple of ints (a torch.Size), got {type(value).__name__} ({value!r})")
+    return tuple(check_int(f"{name}[{i}]", d, 0) for i, d in enumerate(value))
 
 
 def check_tensor(name: str, value) -> None:

@@ -50,8 +50,7 @@ class FP_Quantize(Quantizer):
             group_size = quantization_config.group_size
         elif group_size is None:
             group_size = 512  # DeepSpeed's Quantizer default
-        checks.check_int("group_size", group_size, 1)
-        super().__init__(group_size=group_size)
+        super().__init__(group_size=checks.check_int("group_size", group_size, 1))
         self.q_config = quantization_config
         self.orig_dtype: Optional[torch.dtype] = None
         self.orig_shape: Optional[torch.Size] = None
@@ -68,19 +67,30 @@ class FP_Quantize(Quantizer):
     def _num_groups(self, numel: int) -> int:
         return -(-numel // self.group_size)
 
-    def _target(self, fp_out, shape) -> Tuple[torch.Size, torch.dtype]:
+    def _orig(self) -> Tuple[Optional[tuple], Optional[torch.dtype]]:
+        """``orig_shape`` and ``orig_dtype`` (set by quantize or by the caller), checked."""
+        shape = None if self.orig_shape is None else checks.check_shape("orig_shape", self.orig_shape)
+        if self.orig_dtype is not None:
+            checks.check_float_dtype("orig_dtype", self.orig_dtype)
+        return shape, self.orig_dtype
+
+    @staticmethod
+    def _check_fp_out(fp_out, numel: int, device) -> None:
+        checks.check_tensor("fp_out", fp_out)
+        if fp_out.numel() != numel:
+            raise ValueError(f"fp_out has {fp_out.numel()} elements; expected {numel}")
+        checks.check_device("fp_out", fp_out, device)
+
+    def _target(self, fp_out, device) -> Tuple[torch.Size, torch.dtype]:
         """Shape and dtype of the dequantized output (from ``fp_out`` or the last quantize)."""
+        shape, dtype = self._orig()
         if fp_out is not None:
-            checks.check_tensor("fp_out", fp_out)
-            if shape is not None and fp_out.numel() != math.prod(shape):
-                raise ValueError(f"fp_out has {fp_out.numel()} elements; the quantized tensor has "
-                                 f"{math.prod(shape)} (shape {tuple(shape)})")
+            self._check_fp_out(fp_out, fp_out.numel() if shape is None else math.prod(shape), device)
             return fp_out.shape, fp_out.dtype
-        if shape is None or self.orig_dtype is None:
+        if shape is None or dtype is None:
             raise ValueError("nothing to dequantize into: call quantize() first, set orig_shape and "
                              "orig_dtype, or pass fp_out")
-        checks.check_float_dtype("orig_dtype", self.orig_dtype)
-        return torch.Size(shape), self.orig_dtype
+        return torch.Size(shape), dtype
 
     def _to_quantized(self, input_q, scale, f: FPFormat, numel: int, dtype) -> QuantizedTensor:
         """Rebuild the native flat-grouped :class:`QuantizedTensor` from a buffer (SPEC 6.1)."""
@@ -89,7 +99,8 @@ class FP_Quantize(Quantizer):
         if scale is None:
             checks.check_byte_tensor("input_q", input_q, (num_groups, row))
             buf = input_q.view(torch.uint8)
-            codes, scales = buf[:, :gbytes], buf[:, gbytes:]
+            codes = buf[:, :gbytes]
+            scales = buf[:, gbytes:].clone(memory_format=torch.contiguous_format)  # aligned for the fp32 view
             n_full, tail = divmod(numel, self.group_size)
             flat = codes.reshape(num_groups * gbytes)
             if tail:  # the native layout keeps only the bytes the short last group needs
@@ -113,9 +124,9 @@ class FP_Quantize(Quantizer):
             if scale.numel() != num_groups:
                 raise ValueError(f"scale has {scale.numel()} fp32 values; expected {num_groups} (one per group)")
             checks.check_device("scale", scale, device)
-            return scale.contiguous().view(torch.uint8).reshape(num_groups, SCALE_BYTES)
+            return scale.reshape(num_groups).clone().view(torch.uint8).reshape(num_groups, SCALE_BYTES)
         checks.check_byte_tensor("scale", scale, (num_groups, SCALE_BYTES), device)
-        return scale.view(torch.uint8)
+        return scale.view(torch.uint8).clone(memory_format=torch.contiguous_format)
 
     # ---- DeepSpeed interface ------------------------------------------------------------------
     def quantize(self,
@@ -138,6 +149,8 @@ class FP_Quantize(Quantizer):
         """
         checks.check_tensor("input", input)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
+        stochastic_mode = checks.check_flag("stochastic_mode", stochastic_mode)
+        return_meta_tensor = checks.check_flag("return_meta_tensor", return_meta_tensor)
         if return_meta_tensor and f.bits != 8:
             raise ValueError(f"return_meta_tensor=True needs q_bits=8 (one byte per code); got q_bits={q_bits}")
         if stochastic_mode:
@@ -166,13 +179,14 @@ class FP_Quantize(Quantizer):
         ``orig_shape``/``orig_dtype`` assigned by the caller). ``input_q`` may be uint8 or int8.
         """
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
-        shape, dtype = self._target(fp_out, self.orig_shape)
+        checks.check_byte_tensor("input_q", input_q)
+        shape, dtype = self._target(fp_out, input_q.device)
         numel = math.prod(shape)
         y = dequantize(self._to_quantized(input_q, scale, f, numel, dtype), dtype).reshape(shape)
         if fp_out is None:
             return y
-        checks.check_device("fp_out", fp_out, y.device)
-        fp_out.copy_(y)
+        with torch.no_grad():
+            fp_out.copy_(y)
         return fp_out
 
     def selective_dequantize(self,
@@ -190,31 +204,33 @@ class FP_Quantize(Quantizer):
         Returns:
             ``(len(indexes), *orig_shape[1:])`` tensor of ``orig_dtype`` (or ``fp_out``).
         """
-        if self.orig_shape is None or self.orig_dtype is None or len(self.orig_shape) < 1:
+        shape, dtype = self._orig()
+        if shape is None or dtype is None or len(shape) < 1:
             raise ValueError("selective_dequantize needs orig_shape (ndim >= 1) and orig_dtype: call quantize() "
                              "first or set them")
+        checks.check_byte_tensor("input_q", input_q)
         if not isinstance(indexes, torch.Tensor) or indexes.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indexes must be an int32 or int64 tensor, got "
                             f"{getattr(indexes, 'dtype', type(indexes).__name__)}")
         if indexes.dim() != 1:
             raise ValueError(f"indexes must be 1-D, got shape {tuple(indexes.shape)}")
-        n0 = self.orig_shape[0]
+        if indexes.device.type not in ("cpu", input_q.device.type):
+            raise ValueError(f"indexes is on {indexes.device}; expected cpu or {input_q.device}")
+        n0 = shape[0]
         if indexes.numel() and (int(indexes.min()) < 0 or int(indexes.max()) >= n0):
             raise ValueError(f"indexes must lie in [0, {n0}) (orig_shape[0]); got values in "
                              f"[{int(indexes.min())}, {int(indexes.max())}]")
-        out_shape = torch.Size((indexes.numel(), *self.orig_shape[1:]))
+        out_shape = torch.Size((indexes.numel(), *shape[1:]))
         if fp_out is not None:
-            checks.check_tensor("fp_out", fp_out)
-            if fp_out.numel() != math.prod(out_shape):
-                raise ValueError(f"fp_out has {fp_out.numel()} elements; expected {math.prod(out_shape)} "
-                                 f"(shape {tuple(out_shape)})")
+            self._check_fp_out(fp_out, math.prod(out_shape), input_q.device)
+            dtype = fp_out.dtype  # round once, straight to the output dtype (SPEC 5)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
-        numel = math.prod(self.orig_shape)
-        full = dequantize(self._to_quantized(input_q, scale, f, numel, self.orig_dtype))
-        y = full.reshape(self.orig_shape).index_select(0, indexes.to(full.device).long())
+        full = dequantize(self._to_quantized(input_q, scale, f, math.prod(shape), dtype), dtype)
+        y = full.reshape(shape).index_select(0, indexes.to(full.device).long())
         if fp_out is None:
             return y
-        fp_out.copy_(y.reshape(fp_out.shape))
+        with torch.no_grad():
+            fp_out.copy_(y.reshape(fp_out.shape))
         return fp_out
 
     def get_scales(self) -> torch.Tensor:

@@ -5,10 +5,58 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "fp_quantize.h"
 
 namespace fpq {
 namespace {
+
+// Clears flush-to-zero / denormals-are-zero for the calling thread while in scope (SPEC 3.1:
+// no backend flushes subnormals), e.g. after torch.set_flush_denormal(True); restores on exit.
+class ScopedIeeeDenormals {
+public:
+    ScopedIeeeDenormals()
+    {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+        saved_ = _mm_getcsr();
+        _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero));
+#elif defined(__aarch64__)
+        __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
+        const uint64_t cleared = saved_ & ~kFpcrFz;
+        __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
+#endif
+    }
+    ~ScopedIeeeDenormals()
+    {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+        _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+        __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
+#endif
+    }
+    ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
+    ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
+
+private:
+#if defined(__aarch64__)
+    static constexpr uint64_t kFpcrFz = uint64_t(1) << 24;
+    uint64_t saved_ = 0;
+#else
+    static constexpr unsigned kFlushToZero = 0x8000u;      // MXCSR bit 15
+    static constexpr unsigned kDenormalsAreZero = 0x0040u;  // MXCSR bit 6
+    unsigned saved_ = 0;
+#endif
+};
+
+// Codes of one group never need more scratch than min(G, k) plus one pack unit.
+template <class F>
+inline size_t scratch_size(int64_t group_size, int64_t k)
+{
+    return F::kBits == 8 ? 0 : size_t(std::min(group_size, k)) + PackUnit<F::kBits>::kCodes;
+}
 
 // Group g of a (rows, k) layout: row, first element, length, first code byte.
 struct GroupSpan {
@@ -71,7 +119,8 @@ void quantize_rows(const QuantizeArgs& a)
     const int64_t gb = group_bytes(a.group_size, F::kBits);
 #pragma omp parallel
     {
-        std::vector<uint32_t> scratch(F::kBits == 8 ? 0 : a.group_size + PackUnit<F::kBits>::kCodes);
+        const ScopedIeeeDenormals ieee;
+        std::vector<uint32_t> scratch(scratch_size<F>(a.group_size, a.k));
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < total; ++index) {
             const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
@@ -96,7 +145,8 @@ void dequantize_rows(const DequantizeArgs& a)
     const int64_t gb = group_bytes(a.group_size, F::kBits);
 #pragma omp parallel
     {
-        std::vector<uint32_t> scratch(F::kBits == 8 ? 0 : a.group_size + PackUnit<F::kBits>::kCodes);
+        const ScopedIeeeDenormals ieee;
+        std::vector<uint32_t> scratch(scratch_size<F>(a.group_size, a.k));
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < total; ++index) {
             const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);

@@ -142,7 +142,8 @@ def test_selective_dequantize(index_dtype, q_bits, q_mantisa_bits, fmt):
     assert_bitwise_equal(y.float(), full[idx.long()].float(), "selective")
     out = torch.empty(4, 12, 10, dtype=torch.float32)
     assert q.selective_dequantize(buf, idx, fp_out=out, q_bits=q_bits, q_mantisa_bits=q_mantisa_bits) is out
-    assert_bitwise_equal(out, full[idx.long()].float(), "selective into fp_out")
+    full32 = q.dequantize(buf, fp_out=torch.empty(5, 12, 10), q_bits=q_bits, q_mantisa_bits=q_mantisa_bits)
+    assert_bitwise_equal(out, full32[idx.long()], "selective into fp32 fp_out: rounded once, to fp32")
 
 
 def test_selective_dequantize_bad_indexes():
