@@ -7,6 +7,7 @@ Sources and include paths resolve from the installed package: ``op_builder/`` is
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import shutil
@@ -67,3 +68,29 @@ class PrebuiltFirstMixin:
             except ImportError:
                 return "ninja is not installed (pip install ninja)"
         return ""
+
+
+def cuda_tool(name: str) -> str:
+    """Path of a CUDA binary tool (``nvcc``, ``cuobjdump``, ``nvdisasm``): the toolkit's under
+    ``CUDA_HOME``, else the ``nvidia-cuda-*`` pip package's. The tool's folder is put on ``PATH``
+    (cuobjdump runs nvdisasm for sm_90 code).
+
+    Raises:
+        FileNotFoundError: the tool is in neither place.
+    """
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates = [os.path.join(cuda_home, "bin", name)]
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            candidates += glob.glob(os.path.join(root, "*", "bin", name))
+    except ImportError:
+        pass
+    for path in candidates:
+        if os.path.isfile(path):
+            if not os.access(path, os.X_OK):
+                os.chmod(path, 0o755)  # the pip wheels ship the binaries without the exec bit
+            os.environ["PATH"] = os.path.dirname(path) + os.pathsep + os.environ.get("PATH", "")
+            return path
+    raise FileNotFoundError(f"{name} not found under CUDA_HOME={cuda_home} or in the nvidia-cuda-* pip packages "
+                            f"(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")

@@ -1,0 +1,119 @@
+"""The DeepSpeed op builders: CPU op built and checked here; CUDA op compiled for sm_90 and
+disassembled without a GPU (standalone nvcc, and through the builder in a CUDA torch)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
+from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
+from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def _python_table():
+    out = {}
+    for name, f in fpq.FORMATS.items():
+        nan = f.nan_code if f.has_nan else 0
+        out[name] = dict(ebits=f.ebits, mbits=f.mbits, bits=f.bits, bias=f.bias, emax=f.emax, fmax=f.fmax,
+                         min_normal=f.min_normal, min_subnormal=f.min_subnormal, has_inf=f.has_inf,
+                         has_nan=f.has_nan, max_code=f.max_code, nan_code=nan,
+                         inf_code=f.inf_code if f.has_inf else nan)
+    return out
+
+
+def test_cpu_op_format_table_matches_python():
+    """SPEC 1: the C++ traits (fp_codec.h) and formats.py are the same table."""
+    module = FPQuantizerCPUBuilder().load()
+    assert module.format_table() == _python_table()
+    assert module.WITH_CUDA is False
+
+
+def test_cpu_builder_sources_from_package():
+    b = FPQuantizerCPUBuilder()
+    assert b.NAME == "ds_fpquant_cpu" and b.BUILD_VAR == "DS_BUILD_FPQUANT_CPU"
+    for path in b.sources() + b.include_paths():
+        assert Path(path).exists() and Path(path).is_relative_to(CSRC)
+    assert not set(b.cxx_args()) & set(FAST_MATH_FLAGS)
+    assert "-ffp-contract=off" in b.cxx_args()
+    stems = [Path(p).stem for p in FPQuantizerBuilder().sources()]
+    assert len(stems) == len(set(stems)), "each source file needs a unique stem"
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the reason given by a CPU-only torch")
+def test_cuda_builder_says_why_not_compatible():
+    b = FPQuantizerBuilder()
+    assert b.is_compatible() is False
+    assert "CPU-only build" in b.error_log
+
+
+def test_cuda_builder_keeps_nvcc_flags_and_targets_sm90(monkeypatch):
+    """DeepSpeed's jit_load sets build_for_cpu without a GPU; our nvcc flags must survive it."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = FPQuantizerBuilder()
+    b.build_for_cpu, b.jit_mode, b._jit_arch_list = True, True, None
+    try:
+        args = b.nvcc_args()
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    assert "-O3" in args and "--ftz=false" in args and "-DFPQ_WITH_CUDA" in args
+    assert not set(args) & set(FAST_MATH_FLAGS)
+    assert arch == "9.0+PTX"
+
+
+def _nvcc():
+    try:
+        return cuda_tool("nvcc")
+    except FileNotFoundError:
+        pytest.skip("nvcc not found (set CUDA_HOME)")
+
+
+def test_standalone_nvcc_sm90_sass(tmp_path):
+    """Kernels compile for sm_90 with no spills, and e4m3/e5m2 encodes use F2FP hardware conversions."""
+    nvcc = _nvcc()
+    obj = tmp_path / "fp_quantize_cuda.o"
+    build = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90", "--ftz=false", "-Xptxas", "-v", "-c",
+                            str(CSRC / "fp_quantizer" / "fp_quantize_cuda.cu"), "-I",
+                            str(CSRC / "fp_quantizer" / "includes"), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stderr[-4000:]
+    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", build.stderr)
+    assert len(usage) == 2 * 6 * 3, "one quantize and one dequantize kernel per format and dtype"
+    assert all(u == ("0", "0", "0") for u in usage), usage
+    try:
+        cuobjdump = cuda_tool("cuobjdump")
+        cuda_tool("nvdisasm")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+    assert "F2FP.SATFINITE.E4M3.F32" in sass and "F2FP.SATFINITE.E5M2.F32" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic in the kernels"
+
+
+def _cuda_python():
+    candidates = [os.environ.get("DS_FPQUANT_CUDA_PYTHON", ""), str(REPO / ".venv-cuda" / "bin" / "python")]
+    for path in candidates:
+        if path and os.path.exists(path):
+            return path
+    pytest.skip("no CUDA torch environment (.venv-cuda; .ci/run creates it)")
+
+
+def test_cuda_op_jit_builds_through_builder(tmp_path):
+    """FPQuantizerBuilder().load() in a CUDA torch without a GPU: sm_90 module with F2FP, C++ table == Python."""
+    python = _cuda_python()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), CUDA_HOME=os.environ.get("CUDA_HOME",
+                                                                                                  "/usr/local/cuda"))
+    env.pop("TORCH_CUDA_ARCH_LIST", None)
+    run = subprocess.run([python, str(REPO / "scripts" / "check_cuda_jit.py")], capture_output=True, text=True,
+                         env=env, timeout=1500)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert '"ok": true' in run.stdout
