@@ -11,7 +11,8 @@ import torch
 from . import backends, checks
 from .formats import FORMATS, PRESETS, FPFormat, get_format
 from .packing import pack_rows, row_bytes, unpack_rows
-from .reference import SCALE_FLOOR, decode, encode, group_amax, scales_from_amax
+from .reference import (SCALE_FLOOR, decode, encode, encode_stochastic, group_amax, random_words,
+                        scales_from_amax)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize"]
 
@@ -107,6 +108,8 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
         if rounding != "stochastic":
             raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
         checks.check_int("seed", seed, 0)
+        if seed >= 2**64:
+            raise ValueError(f"seed={seed} is not allowed; it must be an int in [0, 2^64)")
     if scale_rounding != "ceil" and scale_format != "e8m0":
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got scale_format={scale_format!r}); leave it at 'ceil'")
@@ -117,8 +120,6 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
                                   "use group_size with grouping='row' or 'flat'")
     if scale_format == "e8m0":
         raise NotImplementedError("scale_format='e8m0' (SPEC 3.2) is not implemented yet; use scale_format='fp32'")
-    if rounding == "stochastic":
-        raise NotImplementedError("rounding='stochastic' (SPEC 4) is not implemented yet; use rounding='nearest'")
     return f
 
 
@@ -142,9 +143,12 @@ def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
 # ---- the torch implementation of the row pipeline (SPEC 2-6) ----------------------------------
 
 
-def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int,
-                   given_scales: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, fp32 scales ``(R, ceil(K/G))``)."""
+def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales: Optional[torch.Tensor],
+                   stream: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, fp32 scales ``(R, ceil(K/G))``).
+
+    ``stream`` is ``(seed, offset)`` for stochastic rounding, ``None`` for round-to-nearest-even.
+    """
     rows, k = x2.shape
     n_groups = -(-k // group_size)
     x32 = x2.to(torch.float32)
@@ -155,7 +159,14 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int,
     amax, nonfinite = group_amax(groups)
     s = scales_from_amax(amax, f) if given_scales is None else given_scales
     r = torch.ones((), dtype=torch.float32, device=s.device) / s  # fl(1/s) from the stored s
-    codes = encode(groups, r.unsqueeze(-1), f).view(rows, n_groups * group_size)[:, :k]
+    if stream is None:
+        codes = encode(groups, r.unsqueeze(-1), f)
+    else:  # random word of each element by its flat index (row * K + column), SPEC 4
+        words = random_words(rows * k, *stream, device=x2.device).view(rows, k)
+        if pad:
+            words = torch.nn.functional.pad(words, (0, pad))
+        codes = encode_stochastic(groups, r.unsqueeze(-1), words.view(rows, n_groups, group_size), f)
+    codes = codes.view(rows, n_groups * group_size)[:, :k]
     if not f.has_nan:  # SPEC 3.3: no NaN code, so the group's stored scale carries the fault
         s = torch.where(nonfinite, torch.full_like(s, float("nan")), s)
     return pack_rows(codes, group_size, f.bits), s
@@ -170,6 +181,12 @@ def _dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, k: int, f: FPFo
 
 
 # ---- public functions ---------------------------------------------------------------------------
+
+
+def draw_seed() -> int:
+    """A 64-bit stochastic-rounding seed from torch's default CPU generator, so that
+    ``torch.manual_seed`` makes stochastic quantization reproducible."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64)) * 4 + int(torch.randint(0, 4, ()))
 
 
 def quantize(
@@ -195,8 +212,13 @@ def quantize(
         fmt: element format, one of ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1" "e4m7"`` (SPEC 1).
         group_size: elements per group ``G >= 1``; the last group of a row may be shorter (SPEC 2).
         grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
-        block, scale_format, scale_rounding, rounding, seed, offset: see API.md; 2-D blocks,
-            e8m0 scales and stochastic rounding raise ``NotImplementedError`` in this version.
+        rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SPEC 4: unbiased, one Philox4x32-10 word
+            per element; all backends give the same bits for the same ``seed`` and ``offset``).
+        seed: 64-bit stochastic-rounding key; ``None`` draws one from torch's default generator
+            (so ``torch.manual_seed`` makes runs reproducible). Only with ``rounding="stochastic"``.
+        offset: 64-bit counter offset: use a new one per call to get fresh random words.
+        block, scale_format, scale_rounding: see API.md; 2-D blocks and e8m0 scales raise
+            ``NotImplementedError`` in this version.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -214,6 +236,8 @@ def quantize(
     """
     group_size = checks.check_int("group_size", group_size, 1)
     offset = checks.check_int("offset", offset, 0)
+    if offset >= 2**64:
+        raise ValueError(f"offset={offset} is not allowed; it must be an int in [0, 2^64)")
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
@@ -222,14 +246,18 @@ def quantize(
         scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, -(-k // group_size))
         scales = scales.clone(memory_format=torch.contiguous_format)
     impl = backends.resolve(backend, x.device)
+    stream = None
+    if rounding == "stochastic":
+        stream = (draw_seed() if seed is None else seed, offset)
     # A group never spans rows, so G >= K means one group of K per row: same layout, bounded work.
     g_eff = min(group_size, max(k, 1))
     with torch.no_grad():  # quantization is not differentiable; results never carry autograd history
         x2 = x.detach().contiguous().reshape(rows, k)
         if impl is backends.TORCH:
-            packed, s = _quantize_rows(x2, f, g_eff, scales)
+            packed, s = _quantize_rows(x2, f, g_eff, scales, stream)
         else:
-            packed, s = impl.quantize(x2, f.name, g_eff, scales)
+            seed_, offset_ = stream if stream is not None else (0, 0)
+            packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_)
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
         scales=s.reshape(scales_shape),

@@ -14,7 +14,7 @@ import torch
 from deepspeed.ops.fp_quantizer import Quantizer
 
 from . import checks
-from .api import QuantizedTensor, dequantize, quantize
+from .api import QuantizedTensor, dequantize, draw_seed, quantize
 from .formats import FPFormat, format_from_deepspeed
 from .packing import group_bytes
 
@@ -57,6 +57,11 @@ class FP_Quantize(Quantizer):
         self.num_groups: Optional[int] = None
         #: uint8 ``(num_groups, 4)``: the last quantize call's fp32 scales as little-endian bytes.
         self.scale: Optional[torch.Tensor] = None
+        #: Stochastic-rounding key; drawn from torch's default generator at the first
+        #: ``stochastic_mode=True`` call (so ``torch.manual_seed`` makes runs reproducible).
+        self.seed: Optional[int] = None
+        #: Philox counter offset of the next stochastic call; advanced by one per call.
+        self.offset: int = 0
 
     # ---- helpers ------------------------------------------------------------------------------
     def _row_layout(self, f: FPFormat) -> Tuple[int, int]:
@@ -137,6 +142,9 @@ class FP_Quantize(Quantizer):
                  return_meta_tensor: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Quantize ``input`` (any shape, fp32/fp16/bf16) with flat grouping (SPEC 2, 6.1).
 
+        ``stochastic_mode=True`` rounds stochastically (SPEC 4): unbiased, with the quantizer's
+        ``seed`` and a counter ``offset`` that advances per call, so two calls never reuse words.
+
         Returns:
             uint8 ``(num_groups, ceil(G*b/8) + 4)``: each row one group's codes, then its fp32 scale
             (little-endian); ``num_groups = ceil(numel / G)``. With ``return_meta_tensor=True``
@@ -145,7 +153,6 @@ class FP_Quantize(Quantizer):
         Raises:
             TypeError, ValueError: unsupported dtype, ``(q_bits, q_mantisa_bits)`` pair not in SPEC 1,
                 ``return_meta_tensor`` with a sub-byte format.
-            NotImplementedError: ``stochastic_mode=True`` (not in this version).
         """
         checks.check_tensor("input", input)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
@@ -153,9 +160,13 @@ class FP_Quantize(Quantizer):
         return_meta_tensor = checks.check_flag("return_meta_tensor", return_meta_tensor)
         if return_meta_tensor and f.bits != 8:
             raise ValueError(f"return_meta_tensor=True needs q_bits=8 (one byte per code); got q_bits={q_bits}")
-        if stochastic_mode:
-            raise NotImplementedError("stochastic_mode=True (SPEC 4 stochastic rounding) is not implemented yet")
-        qt = quantize(input.reshape(-1), f.name, self.group_size, grouping="flat")
+        rounding = {}
+        if stochastic_mode:  # SPEC 4: a fresh Philox counter offset per call, one seed per quantizer
+            if self.seed is None:
+                self.seed = draw_seed()
+            rounding = dict(rounding="stochastic", seed=self.seed, offset=self.offset)
+            self.offset += 1
+        qt = quantize(input.reshape(-1), f.name, self.group_size, grouping="flat", **rounding)
         num_groups = qt.scales.numel()
         scale_bytes = qt.scales.view(torch.uint8).reshape(num_groups, SCALE_BYTES)
         self.orig_dtype, self.orig_shape, self.num_groups = input.dtype, input.shape, num_groups

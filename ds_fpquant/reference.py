@@ -109,3 +109,79 @@ def decode_table(fmt: FPFormat, device=None) -> torch.Tensor:
 def decode(codes: torch.Tensor, fmt: FPFormat) -> torch.Tensor:
     """Integer codes -> exact fp32 values (NaN codes -> NaN, Inf codes -> +-Inf), SPEC 5."""
     return decode_table(fmt, codes.device)[codes.long()]
+
+
+# ---- stochastic rounding (SPEC 4) ---------------------------------------------------------------
+
+#: Philox4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of ``a * m`` for int64 tensors holding uint32 values.
+
+    The 64-bit product would overflow int64, so it is built from 16-bit partial products.
+    """
+    a1, a0 = a >> 16, a & 0xFFFF
+    m1, m0 = m >> 16, m & 0xFFFF
+    mid = a1 * m0 + a0 * m1  # < 2^33
+    low = a0 * m0 + ((mid & 0xFFFF) << 16)  # < 2^33
+    hi = a1 * m1 + (mid >> 16) + (low >> 32)
+    return hi & _U32, low & _U32
+
+
+def philox4x32_10(counter, key) -> Tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on int64 tensors of uint32 values: ``counter`` 4 tensors, ``key`` 2 ints."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for rnd in range(PHILOX_ROUNDS):
+        if rnd:
+            k0, k1 = (k0 + PHILOX_W0) & _U32, (k1 + PHILOX_W1) & _U32
+        hi0, lo0 = _mulhilo32(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def random_words(n: int, seed: int, offset: int, device=None) -> torch.Tensor:
+    """The 32-bit random words of elements ``0 .. n-1`` (SPEC 4), as int64 in ``[0, 2^32)``.
+
+    Element ``i`` takes output word ``i % 4`` of Philox4x32-10 with key ``(seed lo, seed hi)``
+    and counter ``(offset lo, offset hi, (i // 4) lo, (i // 4) hi)``.
+    """
+    blocks = torch.arange(-(-n // 4), dtype=torch.int64, device=device)
+    zeros = torch.zeros_like(blocks)
+    counter = (zeros + (offset & _U32), zeros + (offset >> 32), blocks & _U32, blocks >> 32)
+    words = torch.stack(philox4x32_10(counter, (seed & _U32, seed >> 32)), dim=1)
+    return words.reshape(-1)[:n]
+
+
+def encode_stochastic(x: torch.Tensor, r: torch.Tensor, u: torch.Tensor, fmt: FPFormat) -> torch.Tensor:
+    """Stochastic rounding of SPEC 4 on integers: codes shaped like ``x`` (int64).
+
+    For ``|v| = M * 2^eu`` (fp32 significand ``M``, ulp ``2^eu``) and the target's step ``2^eq``
+    at ``|v|``, ``k = eq - eu`` bits are dropped: ``lo = M >> k`` steps, ``D = M mod 2^k``. The
+    result is one step up iff ``D * 2^32 > u * 2^k``; both sides are shifted so the comparison
+    stays exact in int64 (``D < 2^24``, so clamping the shift of ``u`` at 31 changes nothing).
+    """
+    v = x * r
+    a_bits = (v.abs().view(torch.int32)).to(torch.int64)
+    exp_field = a_bits >> 23
+    significand = torch.where(exp_field == 0, a_bits & 0x7FFFFF, (a_bits & 0x7FFFFF) | 0x800000)
+    e_unbiased = torch.where(exp_field == 0, -126, exp_field - 127)
+    e_target = torch.clamp(e_unbiased, min=fmt.emin)
+    k = torch.clamp((e_target - fmt.mbits) - (e_unbiased - 23), max=62)
+    dropped = significand & ((torch.ones_like(k) << k) - 1)
+    code = ((e_target - fmt.emin) << fmt.mbits) + (significand >> k)
+    up = (dropped << torch.clamp(32 - k, min=0)) > (u << torch.clamp(k - 32, min=0, max=31))
+    code = code + up.to(torch.int64)
+    code = torch.where(v.abs() >= fmt.fmax, fmt.max_code, code)
+    sign = ((x.view(torch.int32) >> 31) & 1).to(torch.int64) << (fmt.bits - 1)
+    nan_code = fmt.nan_code if fmt.has_nan else 0
+    inf_code = fmt.inf_code if fmt.has_inf else nan_code
+    special = torch.where(torch.isnan(x), nan_code, inf_code) | sign
+    finite = torch.isfinite(x)
+    return torch.where(finite, code | sign, special if fmt.has_nan else torch.zeros_like(code))

@@ -84,9 +84,11 @@ void launch(fpq::Format fmt, const Args& args, const at::Tensor& t)
 }
 
 // x: (rows, k) contiguous fp32/fp16/bf16. Returns (codes uint8 (rows, row_bytes), scales fp32
-// (rows, ceil(k/G))). `given_scales`, if set, are used as the scales (SPEC 4).
+// (rows, ceil(k/G))). `given_scales`, if set, are used as the scales (SPEC 4). `stochastic`
+// selects SPEC 4 stochastic rounding with Philox key `seed` and counter offset `offset`.
 std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_name, int64_t group_size,
-                                 const c10::optional<at::Tensor>& given_scales)
+                                 const c10::optional<at::Tensor>& given_scales, bool stochastic, uint64_t seed,
+                                 uint64_t offset)
 {
     const fpq::Format fmt = parse_format(fmt_name);
     TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D (rows, k), got ", x.dim(), "-D");
@@ -112,6 +114,9 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
     args.rows = rows;
     args.k = k;
     args.group_size = group_size;
+    args.stochastic = stochastic;
+    args.seed = seed;
+    args.offset = offset;
     args.codes = codes.data_ptr<uint8_t>();
     args.scales = scales.data_ptr<float>();
     if (rows * k > 0) {
@@ -155,6 +160,13 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     return out;
 }
 
+// Philox4x32-10 on one counter and key (the known-answer test calls it).
+std::vector<uint32_t> philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1)
+{
+    const fpq::PhiloxOut out = fpq::philox4x32_10(c0, c1, c2, c3, k0, k1);
+    return {out.v[0], out.v[1], out.v[2], out.v[3]};
+}
+
 // The C++ format table (traits of fp_codec.h), for the test that compares it with formats.py.
 py::dict format_table()
 {
@@ -188,10 +200,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.doc() = "ds_fpquant group FP quantization kernels (SPEC.md)";
     m.def("quantize", &quantize, "quantize (rows, k) -> (codes, scales)", py::arg("x"), py::arg("fmt"),
-          py::arg("group_size"), py::arg("scales") = py::none());
+          py::arg("group_size"), py::arg("scales") = py::none(), py::arg("stochastic") = false,
+          py::arg("seed") = 0, py::arg("offset") = 0);
     m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
     m.def("format_table", &format_table, "the C++ format traits");
+    m.def("philox4x32_10", &philox, "Philox4x32-10 of one counter (c0..c3) and key (k0, k1)");
 #if defined(FPQ_WITH_CUDA)
     m.attr("WITH_CUDA") = true;
 #else

@@ -89,27 +89,49 @@ inline uint32_t group_amax_bits(const T* x, int64_t len, bool& nonfinite)
     return amax;
 }
 
-template <class F, class T>
-inline void encode_group(const T* x, int64_t len, float r, uint8_t* dst, uint32_t* scratch)
+// Random words of elements first .. first+len-1 (their flat indices), SPEC 4.
+inline void fill_random_words(uint64_t seed, uint64_t offset, int64_t first, int64_t len, uint32_t* out)
+{
+    int64_t i = 0;
+    while (i < len) {
+        const uint64_t index = uint64_t(first + i);
+        const PhiloxOut block = random_block(seed, offset, index >> 2);
+        for (int j = int(index & 3); j < 4 && i < len; ++j, ++i) { out[i] = block.v[j]; }
+    }
+}
+
+// Code of element i: RNE, or stochastic with the element's random word u[i].
+template <class F, bool kStochastic>
+inline uint32_t encode_one(float x, float r, const uint32_t* u, int64_t i)
+{
+    if constexpr (kStochastic) {
+        return encode_stochastic<F>(x, r, u[i]);
+    } else {
+        return encode_rne<F>(x, r);
+    }
+}
+
+template <class F, bool kStochastic, class T>
+inline void encode_group(const T* x, int64_t len, float r, const uint32_t* u, uint8_t* dst, uint32_t* scratch)
 {
     if constexpr (F::kBits == 8) {
-        for (int64_t i = 0; i < len; ++i) { dst[i] = uint8_t(encode_rne<F>(load_f32(x[i]), r)); }
+        for (int64_t i = 0; i < len; ++i) { dst[i] = uint8_t(encode_one<F, kStochastic>(load_f32(x[i]), r, u, i)); }
     } else {
         using Unit = PackUnit<F::kBits>;
         const int64_t units = ceil_div(len, Unit::kCodes);
-        for (int64_t i = 0; i < len; ++i) { scratch[i] = encode_rne<F>(load_f32(x[i]), r); }
+        for (int64_t i = 0; i < len; ++i) { scratch[i] = encode_one<F, kStochastic>(load_f32(x[i]), r, u, i); }
         for (int64_t i = len; i < units * Unit::kCodes; ++i) { scratch[i] = 0; }  // padding codes are 0
         const int64_t nbytes = group_bytes(len, F::kBits);
-        for (int64_t u = 0; u < units; ++u) {
-            const uint32_t word = pack_unit<F::kBits>(scratch + u * Unit::kCodes);
-            for (int b = 0; b < Unit::kBytes && u * Unit::kBytes + b < nbytes; ++b) {
-                dst[u * Unit::kBytes + b] = uint8_t(word >> (8 * b));
+        for (int64_t u_ = 0; u_ < units; ++u_) {
+            const uint32_t word = pack_unit<F::kBits>(scratch + u_ * Unit::kCodes);
+            for (int b = 0; b < Unit::kBytes && u_ * Unit::kBytes + b < nbytes; ++b) {
+                dst[u_ * Unit::kBytes + b] = uint8_t(word >> (8 * b));
             }
         }
     }
 }
 
-template <class F, class T>
+template <class F, bool kStochastic, class T>
 void quantize_rows(const QuantizeArgs& a)
 {
     const T* x = static_cast<const T*>(a.x);
@@ -121,6 +143,7 @@ void quantize_rows(const QuantizeArgs& a)
     {
         const ScopedIeeeDenormals ieee;
         std::vector<uint32_t> scratch(scratch_size<F>(a.group_size, a.k));
+        std::vector<uint32_t> words(kStochastic ? size_t(std::min(a.group_size, a.k)) : 0);
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < total; ++index) {
             const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
@@ -128,7 +151,11 @@ void quantize_rows(const QuantizeArgs& a)
             bool nonfinite = false;
             const float amax = bits_f32(group_amax_bits(xs, g.len, nonfinite));
             const float s = a.given_scales ? a.given_scales[index] : scale_from_amax<F>(amax);
-            encode_group<F>(xs, g.len, multiplier_from_scale(s), a.codes + g.byte_offset, scratch.data());
+            if constexpr (kStochastic) {
+                fill_random_words(a.seed, a.offset, g.row * a.k + g.start, g.len, words.data());
+            }
+            encode_group<F, kStochastic>(xs, g.len, multiplier_from_scale(s), words.data(), a.codes + g.byte_offset,
+                                         scratch.data());
             // SPEC 3.3: a format without a NaN code carries the fault in the stored scale.
             a.scales[index] = (!F::kHasNan && nonfinite) ? bits_f32(kF32QuietNan) : s;
         }
@@ -181,7 +208,13 @@ void dequantize_rows(const DequantizeArgs& a)
 void quantize_cpu(Format fmt, const QuantizeArgs& args)
 {
     dispatch_format(fmt, [&](auto f) {
-        dispatch_dtype(args.dtype, [&](auto t) { quantize_rows<decltype(f), decltype(t)>(args); });
+        dispatch_dtype(args.dtype, [&](auto t) {
+            if (args.stochastic) {
+                quantize_rows<decltype(f), true, decltype(t)>(args);
+            } else {
+                quantize_rows<decltype(f), false, decltype(t)>(args);
+            }
+        });
     });
 }
 

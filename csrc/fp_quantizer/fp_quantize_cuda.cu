@@ -152,6 +152,36 @@ __device__ __forceinline__ void encode_chunk(const float (&x)[kChunk], float r, 
     }
 }
 
+// Random words (SPEC 4) of the 8 elements whose flat indices start at `first`: they span at most
+// three Philox blocks; the selection is unrolled so everything stays in registers.
+__device__ __forceinline__ void chunk_random_words(uint64_t seed, uint64_t offset, int64_t first,
+                                                   uint32_t (&u)[kChunk])
+{
+    const uint64_t block = uint64_t(first) >> 2;
+    const int skip = int(first & 3);
+    const PhiloxOut b0 = random_block(seed, offset, block);
+    const PhiloxOut b1 = random_block(seed, offset, block + 1);
+    const PhiloxOut b2 = skip ? random_block(seed, offset, block + 2) : b0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int t = 0; t < 12; ++t) {
+            const uint32_t candidate = t < 4 ? b0.v[t] : (t < 8 ? b1.v[t - 4] : b2.v[t - 8]);
+            word = (t == skip + j) ? candidate : word;
+        }
+        u[j] = word;
+    }
+}
+
+template <class F>
+__device__ __forceinline__ void encode_chunk_stochastic(const float (&x)[kChunk], float r,
+                                                        const uint32_t (&u)[kChunk], uint32_t (&codes)[kChunk])
+{
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) { codes[j] = encode_stochastic<F>(x[j], r, u[j]); }
+}
+
 // 8 codes -> `bits` bytes of the little-endian bit stream (SPEC 6).
 template <class F>
 __device__ __forceinline__ void pack_chunk(const uint32_t (&codes)[kChunk], uint8_t (&bytes)[F::kBits])
@@ -261,7 +291,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
             float v[kChunk];
             load_chunk(xs + c * kChunk, len - c * kChunk, v);
             uint32_t codes[kChunk];
-            encode_chunk<F>(v, r, codes);
+            if (a.stochastic) {
+                uint32_t u[kChunk];
+                chunk_random_words(a.seed, a.offset, row * g.k + start + c * kChunk, u);
+                encode_chunk_stochastic<F>(v, r, u, codes);
+            } else {
+                encode_chunk<F>(v, r, codes);
+            }
             uint8_t bytes[F::kBits];
             pack_chunk<F>(codes, bytes);
             store_bytes<F::kBits>(dst + c * F::kBits, bytes, bytes_in_chunk<F::kBits>(nbytes, c));

@@ -192,6 +192,71 @@ FPQ_HD uint32_t encode_rne(float x, float r)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Stochastic rounding (SPEC 4) with Philox4x32-10 random words
+// ---------------------------------------------------------------------------------------------
+struct PhiloxOut {
+    uint32_t v[4];
+};
+
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11; Random123 known-answer vectors in the tests).
+FPQ_HD PhiloxOut philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1)
+{
+    constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // multipliers
+    constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // key bumps (golden ratio, sqrt(3) - 1)
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += kW0;
+            k1 += kW1;
+        }
+        const uint64_t p0 = uint64_t(kM0) * c0;
+        const uint64_t p1 = uint64_t(kM1) * c2;
+        const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0);
+        const uint32_t hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return {{c0, c1, c2, c3}};
+}
+
+// The four random words of block b = i / 4 (elements 4b .. 4b+3) for (seed, offset).
+FPQ_HD PhiloxOut random_block(uint64_t seed, uint64_t offset, uint64_t block)
+{
+    return philox4x32_10(uint32_t(offset), uint32_t(offset >> 32), uint32_t(block), uint32_t(block >> 32),
+                         uint32_t(seed), uint32_t(seed >> 32));
+}
+
+// |v| = M * 2^eu (fp32 significand M, ulp 2^eu); the target's step at |v| is 2^eq; k = eq - eu
+// bits are dropped: lo = M >> k steps, D = M mod 2^k. Up one step iff D * 2^32 > u * 2^k, compared
+// exactly with both sides shifted (D < 2^24, so capping u's shift at 31 changes nothing).
+template <class F>
+FPQ_HD uint32_t encode_stochastic(float x, float r, uint32_t u)
+{
+    const uint32_t xb = f32_bits(x);
+    const uint32_t sign = (xb >> 31) << (F::kBits - 1);
+    const float v = mul_rn(x, r);
+    const uint32_t a = f32_bits(v) & kF32AbsMask;
+    const uint32_t exp_field = a >> kF32ManBits;
+    const uint32_t frac = a & ((1u << kF32ManBits) - 1);
+    const uint64_t significand = exp_field == 0 ? frac : (frac | (1u << kF32ManBits));
+    const int e_unbiased = exp_field == 0 ? 1 - kF32Bias : int(exp_field) - kF32Bias;
+    const int e_target = e_unbiased > F::kEmin ? e_unbiased : F::kEmin;
+    int k = (e_target - F::kMbits) - (e_unbiased - kF32ManBits);
+    k = k < 62 ? k : 62;
+    const uint64_t dropped = significand & ((uint64_t(1) << k) - 1);
+    const uint32_t lo_code = (uint32_t(e_target - F::kEmin) << F::kMbits) + uint32_t(significand >> k);
+    const int d_shift = k < 32 ? 32 - k : 0;
+    const int u_shift = k > 32 ? (k - 32 < 31 ? k - 32 : 31) : 0;
+    const uint32_t up = (dropped << d_shift) > (uint64_t(u) << u_shift) ? 1u : 0u;
+    const uint32_t mag = a >= F::kFmaxBits ? F::kMaxCode : lo_code + up;
+    const bool is_inf = (xb & kF32AbsMask) == kF32InfBits;
+    const uint32_t special = F::kHasNan ? (sign | (is_inf ? F::kInfCode : F::kNanCode)) : 0u;
+    return f32_is_finite(xb) ? (sign | mag) : special;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Decoding (SPEC 5): code -> exact fp32 value; NaN codes -> quiet NaN, Inf codes -> +-Inf.
 // ---------------------------------------------------------------------------------------------
 template <class F>

@@ -21,6 +21,9 @@ struct QuantizeArgs {
     const float* given_scales = nullptr;  // optional (rows, ceil(k/G)) caller-given scales
     uint8_t* codes = nullptr;             // (rows, row_bytes) output
     float* scales = nullptr;              // (rows, ceil(k/G)) output
+    bool stochastic = false;              // SPEC 4 stochastic rounding instead of RNE
+    uint64_t seed = 0;                    // Philox key
+    uint64_t offset = 0;                  // Philox counter words 0-1; element index in words 2-3
 };
 
 struct DequantizeArgs {

@@ -47,7 +47,6 @@ def test_not_a_tensor():
 
 
 @pytest.mark.parametrize("kwargs,feature", [
-    (dict(rounding="stochastic"), "stochastic"),
     (dict(scale_format="e8m0"), "e8m0"),
     (dict(block=(2, 2)), "block"),
     (dict(fmt="mxfp4"), "mxfp4"),
