@@ -47,7 +47,7 @@ class FPQuantizerBuilder(PrebuiltFirstMixin, CUDAOpBuilder):
 
     def cxx_args(self):
         return without_fast_math(super().cxx_args()) + [
-            "-DFPQ_WITH_CUDA", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"
+            "-DFPQ_WITH_CUDA", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"
         ]
 
     def extra_ldflags(self):

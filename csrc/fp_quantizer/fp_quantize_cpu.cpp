@@ -73,19 +73,22 @@ inline GroupSpan group_span(int64_t index, int64_t k, int64_t group_size, int64_
 }
 
 // Largest finite |x| of the group, as fp32 bits: for non-negative floats the bit patterns are
-// ordered like the values, so an integer max reduction (which vectorizes) gives the amax.
+// ordered like the values, so an integer max reduction (which vectorizes) gives the amax. The
+// first pass takes the max over all elements; only a group holding NaN/Inf needs a second pass.
 template <class T>
 inline uint32_t group_amax_bits(const T* x, int64_t len, bool& nonfinite)
 {
+    uint32_t largest = 0;
+    for (int64_t i = 0; i < len; ++i) {  // vectorized: amax
+        largest = std::max(largest, f32_bits(load_f32(x[i])) & kF32AbsMask);
+    }
+    nonfinite = largest >= kF32InfBits;
+    if (!nonfinite) { return largest; }
     uint32_t amax = 0;
-    uint32_t bad = 0;
     for (int64_t i = 0; i < len; ++i) {
         const uint32_t a = f32_bits(load_f32(x[i])) & kF32AbsMask;
-        const bool finite = a < kF32InfBits;
-        amax = std::max(amax, finite ? a : 0u);
-        bad |= finite ? 0u : 1u;
+        amax = std::max(amax, a < kF32InfBits ? a : 0u);
     }
-    nonfinite = bad != 0;
     return amax;
 }
 
@@ -112,14 +115,19 @@ inline uint32_t encode_one(float x, float r, const uint32_t* u, int64_t i)
 }
 
 template <class F, bool kStochastic, class T>
-inline void encode_group(const T* x, int64_t len, float r, const uint32_t* u, uint8_t* dst, uint32_t* scratch)
+void encode_group(const T* __restrict x, int64_t len, float r, const uint32_t* __restrict u, uint8_t* __restrict dst,
+                  uint32_t* __restrict scratch)
 {
     if constexpr (F::kBits == 8) {
-        for (int64_t i = 0; i < len; ++i) { dst[i] = uint8_t(encode_one<F, kStochastic>(load_f32(x[i]), r, u, i)); }
+        for (int64_t i = 0; i < len; ++i) {  // vectorized: 8-bit encode
+            dst[i] = uint8_t(encode_one<F, kStochastic>(load_f32(x[i]), r, u, i));
+        }
     } else {
         using Unit = PackUnit<F::kBits>;
         const int64_t units = ceil_div(len, Unit::kCodes);
-        for (int64_t i = 0; i < len; ++i) { scratch[i] = encode_one<F, kStochastic>(load_f32(x[i]), r, u, i); }
+        for (int64_t i = 0; i < len; ++i) {  // vectorized: sub-byte encode
+            scratch[i] = encode_one<F, kStochastic>(load_f32(x[i]), r, u, i);
+        }
         for (int64_t i = len; i < units * Unit::kCodes; ++i) { scratch[i] = 0; }  // padding codes are 0
         const int64_t nbytes = group_bytes(len, F::kBits);
         for (int64_t u_ = 0; u_ < units; ++u_) {
@@ -162,6 +170,37 @@ void quantize_rows(const QuantizeArgs& a)
     }
 }
 
+// Values of one group: decode, one fp32 multiply by the scale, round to T (SPEC 5).
+template <class F, class T>
+void dequantize_group(const uint8_t* __restrict src, int64_t len, float s, T* __restrict dst,
+                      uint32_t* __restrict scratch)
+{
+    if constexpr (F::kBits == 8) {
+        for (int64_t i = 0; i < len; ++i) {  // vectorized: 8-bit decode
+            dst[i] = store_from_f32<T>(mul_rn(decode<F>(src[i]), s));
+        }
+    } else {
+        using Unit = PackUnit<F::kBits>;
+        const int64_t full_units = len / Unit::kCodes;
+        for (int64_t u = 0; u < full_units; ++u) {
+            uint32_t word = 0;
+            for (int b = 0; b < Unit::kBytes; ++b) { word |= uint32_t(src[u * Unit::kBytes + b]) << (8 * b); }
+            for (int j = 0; j < Unit::kCodes; ++j) { scratch[u * Unit::kCodes + j] = unpack_code<F::kBits>(word, j); }
+        }
+        if (len > full_units * Unit::kCodes) {  // a short last unit: only the bytes the group has
+            const int64_t nbytes = group_bytes(len, F::kBits) - full_units * Unit::kBytes;
+            uint32_t word = 0;
+            for (int b = 0; b < nbytes; ++b) { word |= uint32_t(src[full_units * Unit::kBytes + b]) << (8 * b); }
+            for (int j = 0; j < Unit::kCodes; ++j) {
+                scratch[full_units * Unit::kCodes + j] = unpack_code<F::kBits>(word, j);
+            }
+        }
+        for (int64_t i = 0; i < len; ++i) {  // vectorized: sub-byte decode
+            dst[i] = store_from_f32<T>(mul_rn(decode<F>(scratch[i]), s));
+        }
+    }
+}
+
 template <class F, class T>
 void dequantize_rows(const DequantizeArgs& a)
 {
@@ -177,28 +216,8 @@ void dequantize_rows(const DequantizeArgs& a)
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < total; ++index) {
             const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
-            const uint8_t* src = a.codes + g.byte_offset;
-            T* dst = out + g.row * a.k + g.start;
-            const float s = a.scales[index];
-            if constexpr (F::kBits == 8) {
-                for (int64_t i = 0; i < g.len; ++i) { dst[i] = store_from_f32<T>(mul_rn(decode<F>(src[i]), s)); }
-            } else {
-                using Unit = PackUnit<F::kBits>;
-                const int64_t units = ceil_div(g.len, Unit::kCodes);
-                const int64_t nbytes = group_bytes(g.len, F::kBits);
-                for (int64_t u = 0; u < units; ++u) {
-                    uint32_t word = 0;
-                    for (int b = 0; b < Unit::kBytes && u * Unit::kBytes + b < nbytes; ++b) {
-                        word |= uint32_t(src[u * Unit::kBytes + b]) << (8 * b);
-                    }
-                    for (int j = 0; j < Unit::kCodes; ++j) {
-                        scratch[u * Unit::kCodes + j] = unpack_code<F::kBits>(word, j);
-                    }
-                }
-                for (int64_t i = 0; i < g.len; ++i) {
-                    dst[i] = store_from_f32<T>(mul_rn(decode<F>(scratch[i]), s));
-                }
-            }
+            dequantize_group<F>(a.codes + g.byte_offset, g.len, a.scales[index], out + g.row * a.k + g.start,
+                                scratch.data());
         }
     }
 }

@@ -270,12 +270,13 @@ FPQ_HD float decode(uint32_t code)
     // subnormal: man * 2^(emin - m), exact in fp32
     const float sub = mul_rn(float(man), bits_f32(F::kSubnormalStepBits));
     const uint32_t normal = ((exp + uint32_t(kF32Bias - F::kBias)) << kF32ManBits) | (man << F::kRoundShift);
-    uint32_t bits = sign | (exp == 0 ? f32_bits(sub) : normal);
-    if (F::kTop == TopCode::kIeee && exp == kExpAllOnes) {
-        bits = man == 0 ? (sign | kF32InfBits) : kF32QuietNan;
-    }
-    if (F::kTop == TopCode::kNanOnlyAllOnes && exp == kExpAllOnes && man == kManAllOnes) { bits = kF32QuietNan; }
-    return bits_f32(bits);
+    const uint32_t finite = sign | (exp == 0 ? f32_bits(sub) : normal);
+    // specials, written as selects so that loops over codes vectorize
+    const bool top = exp == kExpAllOnes;
+    const uint32_t ieee_special = man == 0 ? (sign | kF32InfBits) : kF32QuietNan;
+    const bool is_nan_only = F::kTop == TopCode::kNanOnlyAllOnes && top && man == kManAllOnes;
+    const bool is_ieee_special = F::kTop == TopCode::kIeee && top;
+    return bits_f32(is_ieee_special ? ieee_special : (is_nan_only ? kF32QuietNan : finite));
 }
 
 // ---------------------------------------------------------------------------------------------
