@@ -38,22 +38,31 @@ def cxx_std_flag() -> str:
     return "-std=c++20" if (major, minor) >= (2, 12) else "-std=c++17"
 
 
-class PrebuiltFirstMixin:
-    """``load()`` that imports a prebuilt module (``DS_BUILD_*=1 pip install .``) before JIT-building.
+class ProjectOpMixin:
+    """What both builders share: NAME-derived names, and a ``load()`` that imports a prebuilt module
+    (``DS_BUILD_*=1 pip install .``) before JIT-building.
 
     DeepSpeed's own ``load()`` only knows its own prebuilt ops (``deepspeed.git_version_info``).
     """
 
     _modules: Dict[str, object] = {}
+    NAME = ""
+
+    def __init__(self, name=None):
+        super().__init__(name=self.NAME if name is None else name)
+
+    def absolute_name(self):
+        """Module name of the prebuilt op (``DS_BUILD_*=1 pip install``)."""
+        return f"ds_fpquant.ops.{self.NAME}_op"
 
     def load(self, verbose: bool = False):
-        if self.name in PrebuiltFirstMixin._modules:
-            return PrebuiltFirstMixin._modules[self.name]
+        if self.name in ProjectOpMixin._modules:
+            return ProjectOpMixin._modules[self.name]
         try:
             module = importlib.import_module(self.absolute_name())
         except ImportError:
             module = self.jit_load(verbose)
-        PrebuiltFirstMixin._modules[self.name] = module
+        ProjectOpMixin._modules[self.name] = module
         return module
 
     @staticmethod

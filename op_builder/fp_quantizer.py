@@ -15,7 +15,7 @@ import shutil
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, installed_cuda_version
 
-from .builder import PrebuiltFirstMixin, csrc_path, cxx_std_flag, without_fast_math
+from .builder import ProjectOpMixin, csrc_path, cxx_std_flag, without_fast_math
 
 #: Oldest compute capability with the hardware fp8 conversions this op is built for.
 MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -23,17 +23,11 @@ MIN_COMPUTE_CAPABILITY = (8, 9)
 DEFAULT_ARCH = "9.0"
 
 
-class FPQuantizerBuilder(PrebuiltFirstMixin, CUDAOpBuilder):
+class FPQuantizerBuilder(ProjectOpMixin, CUDAOpBuilder):
     """Builds ``csrc/fp_quantizer`` with nvcc: CUDA kernels, CPU kernels, torch binding."""
 
     BUILD_VAR = "DS_BUILD_FPQUANT"
     NAME = "ds_fpquant"
-
-    def __init__(self, name=None):
-        super().__init__(name=self.NAME if name is None else name)
-
-    def absolute_name(self):
-        return f"ds_fpquant.ops.{self.NAME}_op"
 
     def sources(self):
         return [

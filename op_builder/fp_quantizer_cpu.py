@@ -4,20 +4,14 @@ from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from .builder import PrebuiltFirstMixin, csrc_path, cxx_std_flag
+from .builder import ProjectOpMixin, csrc_path, cxx_std_flag
 
 
-class FPQuantizerCPUBuilder(PrebuiltFirstMixin, OpBuilder):
+class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
     """Builds ``csrc/fp_quantizer`` (shared codec header + CPU kernels + torch binding) as C++."""
 
     BUILD_VAR = "DS_BUILD_FPQUANT_CPU"
     NAME = "ds_fpquant_cpu"
-
-    def __init__(self, name=None):
-        super().__init__(name=self.NAME if name is None else name)
-
-    def absolute_name(self):
-        return f"ds_fpquant.ops.{self.NAME}_op"
 
     def sources(self):
         return [csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"), csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]

@@ -139,35 +139,42 @@ void encode_group(const T* __restrict x, int64_t len, float r, const uint32_t* _
     }
 }
 
+// Runs fn(group, codes_scratch, words_scratch) for every group of a (rows, k) layout, OpenMP over
+// groups, with IEEE denormals and per-thread scratch (`words` holds min(G, k) random words if asked).
+template <class F, class Fn>
+void parallel_over_groups(int64_t rows, int64_t k, int64_t group_size, bool words, Fn&& fn)
+{
+    const int64_t n_groups = ceil_div(k, group_size);
+    const int64_t total = rows * n_groups;
+    const int64_t rb = row_bytes(k, group_size, F::kBits);
+    const int64_t gb = group_bytes(group_size, F::kBits);
+#pragma omp parallel
+    {
+        const ScopedIeeeDenormals ieee;
+        std::vector<uint32_t> scratch(scratch_size<F>(group_size, k));
+        std::vector<uint32_t> random(words ? size_t(std::min(group_size, k)) : 0);
+#pragma omp for schedule(static)
+        for (int64_t index = 0; index < total; ++index) {
+            fn(group_span(index, k, group_size, n_groups, rb, gb), scratch.data(), random.data());
+        }
+    }
+}
+
 template <class F, bool kStochastic, class T>
 void quantize_rows(const QuantizeArgs& a)
 {
     const T* x = static_cast<const T*>(a.x);
-    const int64_t n_groups = ceil_div(a.k, a.group_size);
-    const int64_t total = a.rows * n_groups;
-    const int64_t rb = row_bytes(a.k, a.group_size, F::kBits);
-    const int64_t gb = group_bytes(a.group_size, F::kBits);
-#pragma omp parallel
-    {
-        const ScopedIeeeDenormals ieee;
-        std::vector<uint32_t> scratch(scratch_size<F>(a.group_size, a.k));
-        std::vector<uint32_t> words(kStochastic ? size_t(std::min(a.group_size, a.k)) : 0);
-#pragma omp for schedule(static)
-        for (int64_t index = 0; index < total; ++index) {
-            const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
-            const T* xs = x + g.row * a.k + g.start;
-            bool nonfinite = false;
-            const float amax = bits_f32(group_amax_bits(xs, g.len, nonfinite));
-            const float s = a.given_scales ? a.given_scales[index] : scale_from_amax<F>(amax);
-            if constexpr (kStochastic) {
-                fill_random_words(a.seed, a.offset, g.row * a.k + g.start, g.len, words.data());
-            }
-            encode_group<F, kStochastic>(xs, g.len, multiplier_from_scale(s), words.data(), a.codes + g.byte_offset,
-                                         scratch.data());
-            // SPEC 3.3: a format without a NaN code carries the fault in the stored scale.
-            a.scales[index] = (!F::kHasNan && nonfinite) ? bits_f32(kF32QuietNan) : s;
-        }
-    }
+    parallel_over_groups<F>(a.rows, a.k, a.group_size, kStochastic, [&](const GroupSpan& g, uint32_t* scratch,
+                                                                         uint32_t* words) {
+        const T* xs = x + g.row * a.k + g.start;
+        bool nonfinite = false;
+        const float amax = bits_f32(group_amax_bits(xs, g.len, nonfinite));
+        const float s = a.given_scales ? a.given_scales[g.index] : scale_from_amax<F>(amax);
+        if constexpr (kStochastic) { fill_random_words(a.seed, a.offset, g.row * a.k + g.start, g.len, words); }
+        encode_group<F, kStochastic>(xs, g.len, multiplier_from_scale(s), words, a.codes + g.byte_offset, scratch);
+        // SPEC 3.3: a format without a NaN code carries the fault in the stored scale.
+        a.scales[g.index] = (!F::kHasNan && nonfinite) ? bits_f32(kF32QuietNan) : s;
+    });
 }
 
 // Values of one group: decode, one fp32 multiply by the scale, round to T (SPEC 5).
@@ -205,21 +212,9 @@ template <class F, class T>
 void dequantize_rows(const DequantizeArgs& a)
 {
     T* out = static_cast<T*>(a.out);
-    const int64_t n_groups = ceil_div(a.k, a.group_size);
-    const int64_t total = a.rows * n_groups;
-    const int64_t rb = row_bytes(a.k, a.group_size, F::kBits);
-    const int64_t gb = group_bytes(a.group_size, F::kBits);
-#pragma omp parallel
-    {
-        const ScopedIeeeDenormals ieee;
-        std::vector<uint32_t> scratch(scratch_size<F>(a.group_size, a.k));
-#pragma omp for schedule(static)
-        for (int64_t index = 0; index < total; ++index) {
-            const GroupSpan g = group_span(index, a.k, a.group_size, n_groups, rb, gb);
-            dequantize_group<F>(a.codes + g.byte_offset, g.len, a.scales[index], out + g.row * a.k + g.start,
-                                scratch.data());
-        }
-    }
+    parallel_over_groups<F>(a.rows, a.k, a.group_size, false, [&](const GroupSpan& g, uint32_t* scratch, uint32_t*) {
+        dequantize_group<F>(a.codes + g.byte_offset, g.len, a.scales[g.index], out + g.row * a.k + g.start, scratch);
+    });
 }
 
 }  // namespace

@@ -357,36 +357,38 @@ void check_launch(const char* what)
 
 }  // namespace
 
-void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream)
+namespace {
+
+// Dispatch to kernel_for(format, dtype) and launch it over the groups of `args`.
+template <class Args, class KernelFor>
+void launch_over_groups(Format fmt, const Args& args, void* stream, const char* what, KernelFor&& kernel_for)
 {
     dispatch_format(fmt, [&](auto f) {
         using F = decltype(f);
         dispatch_dtype(args.dtype, [&](auto tag) {
-            using T = decltype(tag);
             const Geometry g = make_geometry<F::kBits>(args.rows, args.k, args.group_size);
             if (g.total == 0) { return; }
             const int team_log2 = team_log2_for(args.group_size);
-            quantize_kernel<F, T><<<grid_for(g.total, team_log2), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-                args, g, team_log2);
-            check_launch("quantize");
+            const auto kernel = kernel_for(f, tag);
+            kernel<<<grid_for(g.total, team_log2), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, g,
+                                                                                                   team_log2);
+            check_launch(what);
         });
     });
 }
 
+}  // namespace
+
+void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream)
+{
+    launch_over_groups(fmt, args, stream, "quantize",
+                       [](auto f, auto t) { return quantize_kernel<decltype(f), decltype(t)>; });
+}
+
 void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream)
 {
-    dispatch_format(fmt, [&](auto f) {
-        using F = decltype(f);
-        dispatch_dtype(args.dtype, [&](auto tag) {
-            using T = decltype(tag);
-            const Geometry g = make_geometry<F::kBits>(args.rows, args.k, args.group_size);
-            if (g.total == 0) { return; }
-            const int team_log2 = team_log2_for(args.group_size);
-            dequantize_kernel<F, T><<<grid_for(g.total, team_log2), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-                args, g, team_log2);
-            check_launch("dequantize");
-        });
-    });
+    launch_over_groups(fmt, args, stream, "dequantize",
+                       [](auto f, auto t) { return dequantize_kernel<decltype(f), decltype(t)>; });
 }
 
 }  // namespace fpq

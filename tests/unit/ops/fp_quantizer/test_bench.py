@@ -1,0 +1,35 @@
+"""``ds-fpquant bench`` runs and reports every backend next to its baselines (no timing asserts)."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from ds_fpquant import bench
+
+
+def test_bench_rows_and_ratios():
+    results = bench.run(torch.device("cpu"), [0.25], ["e4m3", "e2m1"], [128], repeat=1, warmup=1, progress=False)
+    impls = {(r.op, r.impl, r.fmt) for r in results}
+    for op in ("quantize", "dequantize"):
+        for impl in ("cpu", "torch"):
+            assert (op, impl, "e4m3") in impls and (op, impl, "e2m1") in impls
+        assert (op, "torch composite", "e4m3") in impls
+        assert (op, "torch composite", "e2m1") not in impls  # torch has no FP4 dtype to cast to
+    assert ("copy", "torch copy_", "-") in impls and ("cast", "torch .to(float8)", "e4m3") in impls
+    ours = next(r for r in results if (r.op, r.impl, r.fmt) == ("quantize", "cpu", "e4m3"))
+    assert ours.ms > 0 and ours.gbps > 0 and ours.vs_composite > 0 and ours.vs_cast > 0 and ours.vs_copy > 0
+    table = bench.format_table(results)
+    assert table.count("\n") == len(results) + 1
+
+
+def test_bench_cli_json(tmp_path):
+    path = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--sizes", "0.25", "--formats", "e5m2",
+                          "--group-sizes", "64", "--repeat", "1", "--json", str(path)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(path.read_text())
+    assert data["environment"]["device"] == "cpu" and data["results"]
+    assert "| quantize | cpu | e5m2 | 64 |" in run.stdout
