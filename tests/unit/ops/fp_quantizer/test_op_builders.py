@@ -137,3 +137,20 @@ def test_cpu_inner_loops_vectorize(tmp_path):
     vectorized = {int(m) for m in re.findall(r"fp_quantize_cpu\.cpp:(\d+):\d+: optimized: loop vectorized", run.stderr)}
     missing = {name for line, name in marked.items() if line not in vectorized}
     assert not missing, f"not vectorized: {missing}"
+
+
+def test_prebuilt_cpu_op_install(tmp_path):
+    """DS_BUILD_FPQUANT_CPU=1 pip install prebuilds the op into the package; load() imports it, and the
+    installed package carries op_builder and the csrc sources (package data)."""
+    target = tmp_path / "site"
+    env = dict(os.environ, DS_BUILD_FPQUANT_CPU="1")
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                          str(target), str(REPO)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert list((target / "ds_fpquant" / "ops").glob("ds_fpquant_cpu_op*.so"))
+    assert (target / "ds_fpquant" / "csrc" / "fp_quantizer" / "includes" / "fp_codec.h").exists()
+    probe = ("import ds_fpquant, torch; from ds_fpquant.backends import load_op; m, why = load_op('cpu'); "
+             "print(m.__file__ if m else why)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(target)), timeout=300)
+    assert out.returncode == 0 and str(target) in out.stdout, out.stdout + out.stderr[-2000:]
