@@ -1,4 +1,4 @@
-"""``ds-fpquant`` command line (API.md): ``demo`` (the main job) and ``bench``."""
+"""``ds-fpquant`` command line (API.md): ``demo`` (the main job), ``bench`` and ``report``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "demo": "quantize all-MiniLM-L6-v2's linear weights in every format, run it under DeepSpeed "
             "inference and print an accuracy table",
     "bench": "quantize/dequantize throughput with ratios against baselines measured in the same run",
+    "report": "DeepSpeed's op report with the ds_fpquant ops added (--build: build and self-test them)",
 }
 
 
@@ -34,6 +35,9 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from . import bench
         return bench.main(argv[1:])
+    if args.command == "report":
+        from . import report
+        return report.main(argv[1:])
     return 2  # unreachable: argparse rejects unknown commands
 
 
