@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .config import FPQuantizationConfig, load_config, split_config
-from .module import FPQuantizedLinear
+from .module import FPQuantizedLinear, is_weight_quantized, quantize_weight_in_place
 
 __all__ = ["apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed"]
 
@@ -26,6 +26,17 @@ def _as_linear(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
     return None
 
 
+def _is_tensor_parallel_linear(module: torch.nn.Module) -> bool:
+    """DeepSpeed AutoTP's sharded linear layers (``LinearLayer``, ``LinearAllreduce``, ...)."""
+    try:
+        from deepspeed.module_inject.layers import TensorParallel_Layer
+    except ImportError:
+        return False
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, TensorParallel_Layer) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and not is_weight_quantized(module))
+
+
 def _parent(model: torch.nn.Module, name: str):
     parent_name, _, child = name.rpartition(".")
     return (model.get_submodule(parent_name) if parent_name else model), child
@@ -33,7 +44,8 @@ def _parent(model: torch.nn.Module, name: str):
 
 def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
     """Replace the matching ``nn.Linear`` modules (and transformers ``Conv1D``, as in GPT-2) of
-    ``model`` by :class:`FPQuantizedLinear`, in place.
+    ``model`` by :class:`FPQuantizedLinear`, and quantize the weights of DeepSpeed AutoTP's sharded
+    linear layers in place (:func:`ds_fpquant.module.quantize_weight_in_place`), in place.
 
     Args:
         model: any ``nn.Module``.
@@ -65,6 +77,16 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
         replaced += 1
         before += linear.weight.numel() * linear.weight.element_size()
         after += new.nbytes
+    sharded = [(name, m) for name, m in model.named_modules() if _is_tensor_parallel_linear(m)]
+    for name, layer in sharded:  # AutoTP shards: each rank quantizes its own part of the weight
+        settings = config.settings_for(name)
+        if settings is None:
+            continue
+        before += layer.weight.numel() * layer.weight.element_size()
+        after += quantize_weight_in_place(layer, compute_dtype=config.compute_dtype, backend=config.backend,
+                                          **settings)
+        replaced += 1
+    targets += sharded
     if replaced:
         logger.info(f"ds_fpquant: replaced {replaced} of {len(targets)} Linear modules ({config.fmt}, "
                     f"G={config.group_size}); weights {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")

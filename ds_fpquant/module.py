@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .api import QuantizedTensor, quantize
 
-__all__ = ["FPQuantizedLinear"]
+__all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -86,3 +86,46 @@ class FPQuantizedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fmt={self.fmt}, group_size={self.group_size}")
+
+
+def is_weight_quantized(module: torch.nn.Module) -> bool:
+    """Whether :func:`quantize_weight_in_place` was applied to ``module``."""
+    return hasattr(module, "_fpq_weight")
+
+
+def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_size: int = 128, *,
+                             compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs) -> int:
+    """Store ``module.weight`` (2-D) as FP codes + scales and dequantize it around each forward.
+
+    For layers that are not plain ``nn.Linear`` but use ``self.weight`` in their forward, such as
+    DeepSpeed's AutoTP ``LinearLayer`` / ``LinearAllreduce`` (each rank quantizes its own shard).
+    The ``weight`` parameter is replaced by the buffers ``weight_codes`` and ``weight_scales``; a
+    forward pre-hook puts the dequantized weight (``compute_dtype``, default: the input's dtype) in
+    place and a forward hook drops it again. Returns the bytes of the stored weight.
+    """
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{type(module).__name__}.weight must be a 2-D tensor to be quantized")
+    qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+    del module._parameters["weight"]
+    module.register_buffer("weight_codes", qt.codes)
+    module.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
+    module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
+                              compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
+    module.weight = None
+
+    def materialize(mod, args):
+        meta = mod._fpq_weight
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
+        view = QuantizedTensor(codes=mod.weight_codes, scales=mod.weight_scales.view(torch.float32),
+                               shape=meta["shape"], dtype=meta["dtype"], fmt=meta["fmt"],
+                               group_size=meta["group_size"])
+        mod.weight = view.dequantize(dtype, backend=meta["backend"])
+
+    def release(mod, args, output):
+        mod.weight = None
+
+    module.register_forward_pre_hook(materialize)
+    module.register_forward_hook(release)
+    return qt.codes.numel() + qt.scales.numel() * 4

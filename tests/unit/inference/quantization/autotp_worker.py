@@ -1,0 +1,55 @@
+"""Run by test_autotp.py: ``ds_fpquant.init_inference`` with AutoTP (tp_size 2) on 2 gloo CPU
+processes. Each rank checks its quantized shards bit for bit and prints one JSON line of results."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    import deepspeed
+
+    import ds_fpquant as fpq
+    from ds_fpquant.module import is_weight_quantized
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    base = {"tensor_parallel": {"tp_size": world}, "dtype": torch.float32, "replace_with_kernel_inject": False}
+    reference = deepspeed.init_inference(_model(), config=dict(base))
+    ref_logits = reference(ids).logits
+    # the unquantized shards of this rank, for the bit-exact check below
+    shards = {n: m.weight.detach().clone() for n, m in reference.module.named_modules()
+              if type(m).__name__ in ("LinearLayer", "LinearAllreduce")}
+    engine = fpq.init_inference(_model(), {"fp_quantization": {"fmt": "e4m3", "group_size": 16}, **base})
+    layers = {n: m for n, m in engine.module.named_modules() if n in shards}
+    exact = all(
+        torch.equal(m.weight_codes, fpq.quantize(shards[n], "e4m3", 16, backend="torch").codes)
+        for n, m in layers.items())
+    logits = engine(ids).logits
+    generated = engine.module.generate(ids, max_new_tokens=3, do_sample=False)
+    cos = torch.nn.functional.cosine_similarity(logits.flatten(), ref_logits.flatten(), dim=0).item()
+    result = dict(rank=rank, layers=len(layers), quantized=sum(is_weight_quantized(m) for m in layers.values()),
+                  exact=exact, cos=cos, generated=list(generated.shape), weight_released=all(
+                      m.weight is None for m in layers.values()))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    port, out_dir = int(sys.argv[1]), sys.argv[2]
+    mp.spawn(worker, args=(2, port, out_dir), nprocs=2)
