@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -21,6 +22,8 @@ SCALE_FORMATS = ("fp32", "e8m0")
 SCALE_ROUNDINGS = ("ceil", "floor")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "cuda", "cpu", "torch")
+#: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
+BF16_QUIET_NAN = 0x7FC0
 
 
 @dataclass
@@ -107,9 +110,6 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     if seed is not None:
         if rounding != "stochastic":
             raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
-        checks.check_int("seed", seed, 0)
-        if seed >= 2**64:
-            raise ValueError(f"seed={seed} is not allowed; it must be an int in [0, 2^64)")
     if scale_rounding != "ceil" and scale_format != "e8m0":
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got scale_format={scale_format!r}); leave it at 'ceil'")
@@ -141,6 +141,23 @@ def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
 
 
 # ---- the torch implementation of the row pipeline (SPEC 2-6) ----------------------------------
+
+_SUBNORMAL = 2.0**-140
+
+
+@contextlib.contextmanager
+def ieee_denormals():
+    """Undo ``torch.set_flush_denormal(True)`` for the calling thread while in scope (SPEC 3.1: no
+    backend flushes subnormals); torch has no getter, so the state is probed with one subnormal."""
+    probe = torch.tensor([_SUBNORMAL]) * torch.tensor([1.0])
+    flushing = probe.item() == 0.0
+    if flushing:
+        torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(True)
 
 
 def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales: Optional[torch.Tensor],
@@ -177,7 +194,10 @@ def _dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, k: int, f: FPFo
     """uint8 ``(R, row_bytes)`` + fp32 scales ``(R, ceil(K/G))`` -> ``dtype`` ``(R, K)`` (SPEC 5)."""
     values = decode(unpack_rows(packed, k, group_size, f.bits), f)
     per_element = scales.repeat_interleave(group_size, dim=1)[:, :k]
-    return (values * per_element).to(dtype)  # one fp32 multiply, then RNE to dtype
+    y = (values * per_element).to(dtype)  # one fp32 multiply, then RNE to dtype
+    if dtype == torch.bfloat16:  # one NaN pattern on every backend (torch's cast may give 0xFFFF)
+        y.view(torch.int16).masked_fill_(torch.isnan(y), BF16_QUIET_NAN)
+    return y
 
 
 # ---- public functions ---------------------------------------------------------------------------
@@ -235,10 +255,9 @@ def quantize(
         NotImplementedError: features of later versions named above.
     """
     group_size = checks.check_int("group_size", group_size, 1)
-    offset = checks.check_int("offset", offset, 0)
-    if offset >= 2**64:
-        raise ValueError(f"offset={offset} is not allowed; it must be an int in [0, 2^64)")
+    offset = checks.check_u64("offset", offset)
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
+    seed = None if seed is None else checks.check_u64("seed", seed)
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)
@@ -252,9 +271,10 @@ def quantize(
     # A group never spans rows, so G >= K means one group of K per row: same layout, bounded work.
     g_eff = min(group_size, max(k, 1))
     with torch.no_grad():  # quantization is not differentiable; results never carry autograd history
-        x2 = x.detach().contiguous().reshape(rows, k)
+        x2 = x.detach().resolve_neg().resolve_conj().contiguous().reshape(rows, k)
         if impl is backends.TORCH:
-            packed, s = _quantize_rows(x2, f, g_eff, scales, stream)
+            with ieee_denormals():
+                packed, s = _quantize_rows(x2, f, g_eff, scales, stream)
         else:
             seed_, offset_ = stream if stream is not None else (0, 0)
             packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_)
@@ -320,7 +340,8 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize
     with torch.no_grad():
         if impl is backends.TORCH:
-            y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
+            with ieee_denormals():
+                y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
         else:
             y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
     return y.reshape(qt.shape)

@@ -43,10 +43,29 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
                 if not builder.is_compatible(verbose=False):
                     _ops[backend] = (None, builder.error_log or f"{builder.NAME} is not compatible with this system")
                 else:
+                    _announce_build(builder)
                     _ops[backend] = (builder.load(verbose=False), "")
             except Exception as exc:  # a failed build must not break the torch fallback
                 _ops[backend] = (None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
         return _ops[backend]
+
+
+def _announce_build(builder) -> None:
+    """One stderr line when the op is about to be JIT-built (not prebuilt, not in torch's cache)."""
+    import importlib.util
+    import os
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        prebuilt = importlib.util.find_spec(builder.absolute_name()) is not None
+    except ModuleNotFoundError:
+        prebuilt = False
+    cached = os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
+    if not prebuilt and not cached:
+        print(f"ds_fpquant: building the {builder.name} op (first use; cached in torch's extension dir)...",
+              file=sys.stderr, flush=True)
 
 
 def op_status(backend: str) -> str:

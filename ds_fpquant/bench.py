@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import statistics
 import time
@@ -32,6 +34,7 @@ DEFAULT_GROUPS = (32, 128, 1024)
 QUICK_GROUPS = (128,)
 #: The torch reference keeps int64 intermediates; above this input size it is left out.
 TORCH_BACKEND_MAX_MIB = 64
+MAX_MIB = 64 * 1024  # inputs up to 64 GiB (the H200 holds about 139 GiB)
 ROW = 4096  # elements per row of the benchmark tensors (a multiple of every group size above)
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -170,8 +173,9 @@ def environment(device: torch.device) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ds-fpquant bench", description=__doc__.split("\n\n")[0].strip("`"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser = argparse.ArgumentParser(prog="ds-fpquant bench", description="Quantize / dequantize throughput of "
+                                     "each backend next to baselines measured in the same run.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES_MIB} MiB and G={QUICK_GROUPS}")
     parser.add_argument("--sizes", type=float, nargs="+", help="input sizes in MiB of bf16")
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(DEFAULT_FORMATS))
@@ -186,8 +190,14 @@ def main(argv=None) -> int:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else DEFAULT_SIZES_MIB)
     groups = args.group_sizes or (QUICK_GROUPS if args.quick else DEFAULT_GROUPS)
-    if any(s <= 0 for s in sizes) or any(g < 1 for g in groups):
-        parser.error("sizes must be > 0 and group sizes >= 1")
+    min_mib = 2 * ROW / MIB  # one row of bf16
+    bad_sizes = [s for s in sizes if not (math.isfinite(s) and min_mib <= s <= MAX_MIB)]
+    if bad_sizes:
+        parser.error(f"--sizes {bad_sizes}: each size must be between {min_mib:g} and {MAX_MIB} MiB")
+    if any(g < 1 for g in groups):
+        parser.error(f"--group-sizes {list(groups)}: group sizes must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: the folder does not exist")
     results = run(device, sizes, args.formats, groups, repeat=args.repeat)
     env = environment(device)
     print(", ".join(f"{k}: {v}" for k, v in env.items()))

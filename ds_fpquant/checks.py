@@ -38,6 +38,14 @@ def check_int(name: str, value, minimum: int) -> int:
     return value
 
 
+def check_u64(name: str, value) -> int:
+    """``value`` must be an integer in ``[0, 2^64)`` (a Philox key or counter); returns it as ``int``."""
+    value = check_int(name, value, 0)
+    if value >= 2**64:
+        raise ValueError(f"{name}={value} is not allowed; it must be an int in [0, 2^64)")
+    return value
+
+
 def check_flag(name: str, value) -> bool:
     """``value`` must be a ``bool`` (or the ints 0 / 1 older callers pass); returns it as ``bool``."""
     if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -55,6 +56,10 @@ void check_device(const at::Tensor& t, const at::Tensor& ref, const char* what)
     TORCH_CHECK_VALUE(t.device() == ref.device(), what, " is on ", t.device(), "; expected ", ref.device());
 }
 
+// A group never spans rows: G >= k means one group of k per row (same layout), and keeps the
+// group arithmetic far from int64 overflow.
+int64_t effective_group_size(int64_t group_size, int64_t k) { return std::min(group_size, std::max<int64_t>(k, 1)); }
+
 // Runs the kernel for `args` on the tensor's device: the CPU kernels, or the CUDA launcher on
 // the current stream under a device guard.
 template <class Args>
@@ -92,9 +97,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
 {
     const fpq::Format fmt = parse_format(fmt_name);
     TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D (rows, k), got ", x.dim(), "-D");
-    TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
+    TORCH_CHECK_VALUE(x.is_contiguous() && !x.is_neg(), "x must be contiguous, without a lazy negation");
     TORCH_CHECK_VALUE(group_size >= 1, "group_size=", group_size, " is not allowed; it must be an int >= 1");
     const int64_t rows = x.size(0), k = x.size(1);
+    group_size = effective_group_size(group_size, k);
     const int64_t n_groups = fpq::ceil_div(k, group_size);
     const int bits = bits_of(fmt);
     fpq::QuantizeArgs args;
@@ -132,6 +138,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     const fpq::Format fmt = parse_format(fmt_name);
     TORCH_CHECK_VALUE(group_size >= 1, "group_size=", group_size, " is not allowed; it must be an int >= 1");
     TORCH_CHECK_VALUE(k >= 0, "k=", k, " must be >= 0");
+    group_size = effective_group_size(group_size, k);
     TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(),
                      " is not supported; allowed: torch.uint8");
     TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "scales.dtype=", scales.scalar_type(),

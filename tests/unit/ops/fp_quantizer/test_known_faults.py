@@ -119,3 +119,63 @@ def test_zero_dim_input_codes_shape(fmt, shape):
     """API.md: 8-bit codes have the input's shape, 0-d included."""
     qt = fpq.quantize(torch.tensor(1.5), fmt)
     assert tuple(qt.codes.shape) == shape and qt.dequantize().shape == ()
+
+
+def test_bf16_nan_has_one_pattern_on_every_backend(target):
+    """torch's own fp32->bf16 cast writes NaN as 0xFFFF on some CPUs; every backend writes 0x7FC0."""
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5]], dtype=torch.bfloat16, device=target.device)
+    for fmt in ("e4m3", "e2m1"):  # a NaN code; a NaN group scale
+        y = fpq.quantize(x, fmt, 4, backend=target.backend).dequantize(backend=target.backend)
+        nan_bits = (y.view(torch.int16)[torch.isnan(y)].int() & 0xFFFF).unique().tolist()
+        assert nan_bits == [0x7FC0], (fmt, [hex(b) for b in nan_bits])
+
+
+def test_lazily_negated_input(target):
+    z = torch.tensor([[1 + 2j], [3 - 4j]], dtype=torch.complex64)
+    y = z.conj().imag  # logical [[-2.], [4.]], stored as [[2.], [-4.]] with the negative bit
+    qt = fpq.quantize(y.to(target.device), "e4m3", 8, backend=target.backend)
+    assert qt.dequantize(backend=target.backend).cpu().flatten().tolist() == [-2.0, 4.0]
+
+
+def test_torch_backend_ignores_flush_denormal():
+    x = torch.tensor([3e-39, 1e-40, 1e-41, 2e-39])
+    expected = fpq.quantize(x, "e4m3", 4, backend="torch")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = fpq.quantize(x, "e4m3", 4, backend="torch")
+        y = got.dequantize(backend="torch")
+        flushing_after = (torch.tensor([2.0**-140]) * torch.tensor([1.0])).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert_bitwise_equal(got.codes, expected.codes, "codes under set_flush_denormal(True)")
+    assert_bitwise_equal(y, expected.dequantize(backend="torch"), "dequantized under set_flush_denormal(True)")
+    assert flushing_after, "the caller's flush-denormal setting is restored"
+
+
+def test_raw_op_huge_group_size_is_clamped():
+    from ds_fpquant.backends import load_op
+    module, reason = load_op("cpu")
+    assert module is not None, reason
+    x = torch.randn(4, 10)
+    codes, scales = module.quantize(x, "e4m3", 2**63 - 1, None, False, 0, 0)
+    ref = fpq.quantize(x, "e4m3", 10, backend="torch")
+    assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales)
+
+
+@pytest.mark.parametrize("seed", [np.int8(5), np.uint64(2**64 - 1), 0])
+def test_numpy_seed_same_on_backends(seed):
+    x = torch.randn(64)
+    a = fpq.quantize(x, "e2m1", 16, rounding="stochastic", seed=seed, backend="torch")
+    b = fpq.quantize(x, "e2m1", 16, rounding="stochastic", seed=seed, backend="cpu")
+    assert torch.equal(a.codes, b.codes)
+
+
+@pytest.mark.parametrize("args", [["--sizes", "nan"], ["--sizes", "1e-9"], ["--sizes", "inf"], ["--device", "meta"],
+                                  ["--json", "/nonexistent/dir/x.json"], ["--group-sizes", "0"]])
+def test_bench_bad_arguments_exit_2(args):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
