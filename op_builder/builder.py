@@ -55,6 +55,28 @@ class ProjectOpMixin:
         """Module name of the prebuilt op (``DS_BUILD_*=1 pip install``)."""
         return f"ds_fpquant.ops.{self.NAME}_op"
 
+    def jit_load(self, verbose=True):
+        """DeepSpeed's ``jit_load`` under an OS-level lock on the build folder.
+
+        torch serialises builds with a lock *file* that a killed build leaves behind, after which
+        every later load waits forever. This ``flock`` is released by the OS when its holder dies, so
+        whoever holds it knows that any torch lock file left is stale and removes it. Concurrent
+        processes build once; the others wait here, then load the built module.
+        """
+        from torch.utils.cpp_extension import _get_build_directory
+
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: torch's own lock only
+            return super().jit_load(verbose)
+        build_dir = _get_build_directory(self.name, verbose=False)
+        with open(os.path.join(build_dir, "ds_fpquant.flock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            return super().jit_load(verbose)
+
     def load(self, verbose: bool = False):
         if self.name in ProjectOpMixin._modules:
             return ProjectOpMixin._modules[self.name]
