@@ -93,18 +93,27 @@ def build_and_test(builders: Dict[str, object]) -> List[Tuple[str, bool, str]]:
     return rows
 
 
+#: The public functions that pick a backend, and where the choice happens (all through backends.resolve).
+PUBLIC_FUNCTIONS = ("quantize", "dequantize", "FP_Quantize.quantize / dequantize / selective_dequantize",
+                    "FPQuantizedLinear.forward (apply, init_inference)")
+
+
 def backend_table() -> List[str]:
-    """Which backend ``quantize``/``dequantize``/``FP_Quantize`` use on each device, and why."""
+    """Which backend each public function uses with ``backend='auto'`` on each device, and why."""
     from . import backends
 
-    lines = []
+    choices = {}
     for device in ("cpu", "cuda"):
         if device == "cuda" and not torch.cuda.is_available():
-            lines.append("cuda tensors ........ no CUDA device visible")
+            choices[device] = "no CUDA device visible"
             continue
         module, reason = backends.load_op(device)
-        choice = f"compiled {device} op" if module is not None else f"torch reference ({reason})"
-        lines.append(f"{device} tensors ......... {choice}")
+        choices[device] = f"compiled {device} op" if module is not None else f"torch reference, because: {reason}"
+    lines = []
+    for name in PUBLIC_FUNCTIONS:
+        lines.append(name)
+        for device, choice in choices.items():
+            lines.append(f"    {device} tensors {'.' * (8 - len(device))} {choice}")
     return lines
 
 
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
             print(f"{name} {'.' * (22 - len(name))} {detail}")
             failed |= detail.startswith("FAIL")
     print("-" * 50)
-    print("backend used by quantize / dequantize / FP_Quantize (backend='auto')")
+    print("backend each public function uses (backend='auto'; 'cpu' / 'cuda' / 'torch' choose explicitly)")
     for line in backend_table():
         print(line)
     return 1 if failed else 0

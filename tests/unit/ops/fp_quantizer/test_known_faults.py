@@ -2,6 +2,7 @@
 exact SPEC answer, on every backend available here."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -179,3 +180,96 @@ def test_bench_bad_arguments_exit_2(args):
     run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", *args], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+# ---- the fault classes of FP quantizers seen in the field, each with its exact SPEC answer ------
+
+
+def _roundtrip(target, x, fmt, group_size, dtype=torch.float32, **kw):
+    qt = fpq.quantize(x.to(target.device), fmt, group_size, backend=target.backend, **kw)
+    return qt, qt.dequantize(dtype, backend=target.backend).cpu()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fault_zero_inside_nonzero_group_stays_zero(target, fmt):
+    """DeepSpeed decodes an exact 0 as 2*scale."""
+    _, y = _roundtrip(target, torch.tensor([0.0, 3.0, -0.0, 1.5]), fmt, 4)
+    assert y[0].item() == 0.0 and y[2].item() == 0.0 and torch.signbit(y[2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fault_all_zero_group_scale_one(target, fmt):
+    """DeepSpeed divides by amax = 0 and returns NaN."""
+    qt, y = _roundtrip(target, torch.zeros(2, 8), fmt, 4)
+    assert qt.scales.eq(1.0).all() and y.eq(0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fault_tiny_amax_scale_floor(target, fmt):
+    """amax a bf16 subnormal: fmax / amax overflows; the scale is floored at 2^-126 (SPEC 3.1)."""
+    x = torch.tensor([2.0**-133, 0.0, -(2.0**-130), 2.0**-128]).to(torch.bfloat16)
+    qt, y = _roundtrip(target, x, fmt, 4)
+    assert qt.scales.item() == 2.0**-126 and torch.isfinite(y).all()
+
+
+def test_fault_subnormal_codes_not_raised_to_min_normal(target):
+    qt, y = _roundtrip(target, torch.tensor([2.0**-8, 3 * 2.0**-9, 2.0**-10]), "e4m3", 3, scales=torch.ones(1))
+    assert qt.codes.tolist() == [2, 3, 0] and y.tolist() == [2.0**-8, 3 * 2.0**-9, 0.0]  # 2^-10 ties to 0
+
+
+def test_fault_ties_to_even(target):
+    """DeepSpeed rounds ties away from zero: 1.0625 is halfway between 1.0 and 1.125 in e4m3."""
+    _, y = _roundtrip(target, torch.tensor([1.0625, -1.0625, 1.1875]), "e4m3", 3, scales=torch.ones(1))
+    assert y.tolist() == [1.0, -1.0, 1.25]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fault_group_max_is_fmax_never_nan(target, fmt):
+    """DeepSpeed's e4m3 'max' of 480 is the NaN code in torch.float8_e4m3fn."""
+    f = fpq.get_format(fmt)
+    qt, y = _roundtrip(target, torch.tensor([[3.0, -7.0, 1.0, 0.5]]), fmt, 4)
+    assert y[0, 1].item() == pytest.approx(-7.0, rel=2**-20) and torch.isfinite(y).all()
+    if f.bits == 8:
+        assert qt.codes[0, 1].item() == f.max_code | f.sign_bit
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fault_nan_inf_every_format(target, fmt):
+    f = fpq.get_format(fmt)
+    qt, y = _roundtrip(target, torch.tensor([1.0, float("nan"), -float("inf"), 2.0]), fmt, 4)
+    if f.has_nan:
+        assert math.isnan(y[1].item()) and (y[2].item() == -math.inf if f.has_inf else math.isnan(y[2].item()))
+        assert y[0].item() == pytest.approx(1.0, rel=2**-f.mbits) and y[3].item() == pytest.approx(2.0, rel=2**-20)
+    else:
+        assert math.isnan(qt.scales.item()) and torch.isnan(y).all()  # the fault stays visible
+
+
+def test_fault_e5m2_into_fp16_near_the_limit(target):
+    qt, y16 = _roundtrip(target, torch.tensor([61440.0, 1.0]), "e5m2", 2, dtype=torch.float16)
+    assert y16[0].item() == 61440.0  # 1.875 * 2^15: representable in both
+    big = fpq.quantize(torch.tensor([57344.0 * 2, 1.0]).to(target.device), "e5m2", 2, backend=target.backend)
+    assert big.dequantize(torch.float16, backend=target.backend)[0].item() == math.inf  # fp16 overflow gives Inf
+
+
+@pytest.mark.parametrize("numel,group_size", [(10, 4), (3, 128), (1537, 1536), (5, 1), (4100, 2048), (70, 7)])
+def test_fault_tails_and_odd_group_sizes(target, numel, group_size):
+    """DeepSpeed drops numel % G elements, and launches nothing for G > 1536."""
+    x = torch.arange(1, numel + 1, dtype=torch.float32)
+    qt, y = _roundtrip(target, x, "e4m3", group_size)
+    assert qt.scales.numel() == -(-numel // group_size) and y.shape == x.shape
+    assert torch.allclose(y, x, rtol=2**-4, atol=0) and y[-1].item() == numel  # the tail's amax maps to fmax
+
+
+def test_fault_transposed_input_logical_order(target):
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    qt_t, _ = _roundtrip(target, x.t(), "e4m3", 3)
+    qt_c, _ = _roundtrip(target, x.t().contiguous(), "e4m3", 3)
+    assert torch.equal(qt_t.codes, qt_c.codes) and torch.equal(qt_t.scales, qt_c.scales)
+
+
+def test_fault_stochastic_rounding_unbiased(target):
+    """DeepSpeed's 'stochastic' rounding is biased; here the mean of 10^4 draws is the value."""
+    x = torch.full((10_000,), 1.0 + 0.125 / 3)  # a third of the way from 1.0 to 1.125 in e4m3
+    _, y = _roundtrip(target, x, "e4m3", 10_000, rounding="stochastic", seed=11, scales=torch.ones(1))
+    sigma = 0.125 * math.sqrt((1 / 3) * (2 / 3) / 10_000)
+    assert abs(y.double().mean().item() - (1.0 + 0.125 / 3)) < 5 * sigma
