@@ -12,8 +12,8 @@ import torch
 from . import backends, checks
 from .formats import FORMATS, PRESETS, FPFormat, get_format
 from .packing import pack_rows, row_bytes, unpack_rows
-from .reference import (SCALE_FLOOR, decode, encode, encode_stochastic, group_amax, random_words,
-                        scales_from_amax)
+from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
+                        encode_stochastic, group_amax, pow2, random_words, scales_from_amax)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize"]
 
@@ -22,6 +22,7 @@ SCALE_FORMATS = ("fp32", "e8m0")
 SCALE_ROUNDINGS = ("ceil", "floor")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "cuda", "cpu", "torch")
+DEFAULT_GROUP_SIZE = 128
 #: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
 BF16_QUIET_NAN = 0x7FC0
 
@@ -34,8 +35,8 @@ class QuantizedTensor:
         codes: ``torch.uint8``. Row grouping: ``(*shape[:-1], row_bytes)`` with each row's groups
             packed one after another (SPEC 6); for 8-bit formats ``codes.shape == shape`` and
             ``codes.view(torch.float8_e4m3fn)`` (or ``float8_e5m2``) is valid. Flat grouping: 1-D.
-        scales: ``torch.float32``, one per group: ``(*shape[:-1], ceil(K/G))`` for row grouping,
-            ``(ceil(numel/G),)`` for flat grouping (SPEC 3.1).
+        scales: one per group, ``(*shape[:-1], ceil(K/G))`` for row grouping, ``(ceil(numel/G),)``
+            for flat grouping: ``torch.float32`` (SPEC 3.1) or E8M0 bytes ``torch.uint8`` (SPEC 3.2).
         shape, dtype: the original tensor's shape and dtype.
         fmt, group_size, grouping, block, scale_format: as passed to :func:`quantize`.
         tensor_scale: NVFP4 per-tensor scale (SPEC 3.4); ``None`` otherwise.
@@ -54,8 +55,8 @@ class QuantizedTensor:
 
     @property
     def format(self) -> FPFormat:
-        """The element format's entry of the format table."""
-        return get_format(self.fmt)
+        """The element format's entry of the format table (a preset's element format)."""
+        return element_format(self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -98,19 +99,18 @@ def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int,
 def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed,
                          backend) -> FPFormat:
     checks.check_tensor("x", x)
-    if isinstance(fmt, str) and fmt in PRESETS:
-        raise NotImplementedError(f"fmt={fmt!r} (MX / NVFP4 presets, SPEC 3.2 and 3.4) is not implemented yet; "
-                                  f"implemented formats: {', '.join(FORMATS)}")
-    f = get_format(fmt)
+    if fmt == "nvfp4":
+        raise NotImplementedError("fmt='nvfp4' (SPEC 3.4) is not implemented yet; implemented formats: "
+                                  f"{', '.join([*FORMATS, *(p for p in PRESETS if p != 'nvfp4')])}")
+    f = element_format(fmt)
     checks.check_choice("grouping", grouping, GROUPINGS)
     checks.check_choice("scale_format", scale_format, SCALE_FORMATS)
     checks.check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
     checks.check_choice("rounding", rounding, ROUNDINGS)
     checks.check_choice("backend", backend, BACKENDS)
-    if seed is not None:
-        if rounding != "stochastic":
-            raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
-    if scale_rounding != "ceil" and scale_format != "e8m0":
+    if seed is not None and rounding != "stochastic":
+        raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
+    if scale_rounding != "ceil" and scale_format != "e8m0" and fmt not in PRESETS:
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got scale_format={scale_format!r}); leave it at 'ceil'")
     if backend in ("cpu", "cuda") and x.device.type != backend:
@@ -118,9 +118,26 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     if block is not None:
         raise NotImplementedError("block=(Br, Bc) 2-D block scaling (SPEC 2) is not implemented yet; "
                                   "use group_size with grouping='row' or 'flat'")
-    if scale_format == "e8m0":
-        raise NotImplementedError("scale_format='e8m0' (SPEC 3.2) is not implemented yet; use scale_format='fp32'")
     return f
+
+
+def element_format(fmt) -> FPFormat:
+    """The element format of ``fmt``: a format name, or a preset's element format (API.md)."""
+    if isinstance(fmt, str) and fmt in PRESETS:
+        return get_format(PRESETS[fmt][0])
+    return get_format(fmt)
+
+
+def _apply_preset(fmt, group_size, scale_format):
+    """(group_size, scale_format) fixed by an MX preset: G=32 and E8M0 scales (OCP MX v1.0)."""
+    if not (isinstance(fmt, str) and fmt in PRESETS):
+        return group_size, scale_format
+    _, preset_g, preset_scales = PRESETS[fmt]
+    if group_size not in (preset_g, DEFAULT_GROUP_SIZE):
+        raise ValueError(f"fmt={fmt!r} fixes group_size={preset_g}; got group_size={group_size}")
+    if scale_format not in (preset_scales, "fp32"):
+        raise ValueError(f"fmt={fmt!r} fixes scale_format={preset_scales!r}; got scale_format={scale_format!r}")
+    return preset_g, preset_scales
 
 
 def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
@@ -161,10 +178,13 @@ def ieee_denormals():
 
 
 def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales: Optional[torch.Tensor],
-                   stream: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, fp32 scales ``(R, ceil(K/G))``).
+                   stream: Optional[Tuple[int, int]] = None,
+                   e8m0: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, scales ``(R, ceil(K/G))``).
 
     ``stream`` is ``(seed, offset)`` for stochastic rounding, ``None`` for round-to-nearest-even.
+    ``e8m0`` is the E8M0 ``scale_rounding`` (``"ceil"``/``"floor"``, SPEC 3.2; scales are then
+    uint8 bytes), ``None`` for fp32 scales (SPEC 3.1).
     """
     rows, k = x2.shape
     n_groups = -(-k // group_size)
@@ -174,8 +194,12 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
         x32 = torch.nn.functional.pad(x32, (0, pad))  # zeros never change a group's amax
     groups = x32.view(rows, n_groups, group_size)
     amax, nonfinite = group_amax(groups)
-    s = scales_from_amax(amax, f) if given_scales is None else given_scales
-    r = torch.ones((), dtype=torch.float32, device=s.device) / s  # fl(1/s) from the stored s
+    if e8m0 is not None:
+        e = e8m0_exponents(amax, f, e8m0)
+        r = pow2(-e)  # exact: 2^-e
+    else:
+        s = scales_from_amax(amax, f) if given_scales is None else given_scales
+        r = torch.ones((), dtype=torch.float32, device=s.device) / s  # fl(1/s) from the stored s
     if stream is None:
         codes = encode(groups, r.unsqueeze(-1), f)
     else:  # random word of each element by its flat index (row * K + column), SPEC 4
@@ -184,7 +208,11 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
             words = torch.nn.functional.pad(words, (0, pad))
         codes = encode_stochastic(groups, r.unsqueeze(-1), words.view(rows, n_groups, group_size), f)
     codes = codes.view(rows, n_groups * group_size)[:, :k]
-    if not f.has_nan:  # SPEC 3.3: no NaN code, so the group's stored scale carries the fault
+    if e8m0 is not None:
+        s = (e + E8M0_BIAS).to(torch.uint8)
+        if not f.has_nan:  # SPEC 3.3: the E8M0 NaN byte carries the fault
+            s = torch.where(nonfinite, torch.full_like(s, E8M0_NAN), s)
+    elif not f.has_nan:  # SPEC 3.3: no NaN code, so the group's stored scale carries the fault
         s = torch.where(nonfinite, torch.full_like(s, float("nan")), s)
     return pack_rows(codes, group_size, f.bits), s
 
@@ -232,13 +260,16 @@ def quantize(
         fmt: element format, one of ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1" "e4m7"`` (SPEC 1).
         group_size: elements per group ``G >= 1``; the last group of a row may be shorter (SPEC 2).
         grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
+        scale_format: ``"fp32"`` (SPEC 3.1) or ``"e8m0"`` (SPEC 3.2, power-of-two scales stored as
+            bytes); presets ``"mxfp8_e4m3" "mxfp8_e5m2" "mxfp6_e3m2" "mxfp6_e2m3" "mxfp4"`` mean their
+            element format with G=32 and E8M0 scales (OCP MX v1.0).
+        scale_rounding: E8M0 only: ``"ceil"`` (no element saturates) or ``"floor"`` (OCP MX rule).
         rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SPEC 4: unbiased, one Philox4x32-10 word
             per element; all backends give the same bits for the same ``seed`` and ``offset``).
         seed: 64-bit stochastic-rounding key; ``None`` draws one from torch's default generator
             (so ``torch.manual_seed`` makes runs reproducible). Only with ``rounding="stochastic"``.
         offset: 64-bit counter offset: use a new one per call to get fresh random words.
-        block, scale_format, scale_rounding: see API.md; 2-D blocks and e8m0 scales raise
-            ``NotImplementedError`` in this version.
+        block: 2-D block scaling raises ``NotImplementedError`` in this version; so does ``"nvfp4"``.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -258,6 +289,10 @@ def quantize(
     offset = checks.check_u64("offset", offset)
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     seed = None if seed is None else checks.check_u64("seed", seed)
+    group_size, scale_format = _apply_preset(fmt, group_size, scale_format)
+    if scales is not None and scale_format != "fp32":
+        raise ValueError(f"scales= takes fp32 scales; it cannot be combined with scale_format={scale_format!r}")
+    e8m0 = scale_rounding if scale_format == "e8m0" else None
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)
@@ -274,16 +309,16 @@ def quantize(
         x2 = x.detach().resolve_neg().resolve_conj().contiguous().reshape(rows, k)
         if impl is backends.TORCH:
             with ieee_denormals():
-                packed, s = _quantize_rows(x2, f, g_eff, scales, stream)
+                packed, s = _quantize_rows(x2, f, g_eff, scales, stream, e8m0)
         else:
             seed_, offset_ = stream if stream is not None else (0, 0)
-            packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_)
+            packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
         scales=s.reshape(scales_shape),
         shape=torch.Size(shape),
         dtype=x.dtype,
-        fmt=f.name,
+        fmt=fmt,
         group_size=group_size,
         grouping=grouping,
         scale_format=scale_format,
@@ -293,21 +328,21 @@ def quantize(
 def _check_quantized(qt) -> FPFormat:
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt must be a ds_fpquant.QuantizedTensor, got {type(qt).__name__}")
-    f = get_format(qt.fmt)
+    f = element_format(qt.fmt)
     checks.check_int("qt.group_size", qt.group_size, 1)
     checks.check_choice("qt.grouping", qt.grouping, GROUPINGS)
     checks.check_shape("qt.shape", qt.shape)
     checks.check_float_dtype("qt.dtype", qt.dtype)
     checks.check_choice("qt.scale_format", qt.scale_format, SCALE_FORMATS)
-    if qt.scale_format != "fp32" or qt.block is not None:
-        raise NotImplementedError(f"dequantize of scale_format={qt.scale_format!r}, block={qt.block!r} "
-                                  f"is not implemented yet")
+    if qt.block is not None:
+        raise NotImplementedError(f"dequantize of block={qt.block!r} is not implemented yet")
     codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
     checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
     scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)
-    if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != torch.float32:
-        raise TypeError(f"qt.scales must be a float32 tensor, got "
-                        f"{getattr(qt.scales, 'dtype', type(qt.scales).__name__)}")
+    scale_dtype = torch.float32 if qt.scale_format == "fp32" else torch.uint8
+    if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != scale_dtype:
+        raise TypeError(f"qt.scales must be a {str(scale_dtype).replace('torch.', '')} tensor for "
+                        f"scale_format={qt.scale_format!r}, got {getattr(qt.scales, 'dtype', type(qt.scales).__name__)}")
     if tuple(qt.scales.shape) != scales_shape:
         raise ValueError(f"qt.scales has shape {tuple(qt.scales.shape)}; expected {scales_shape}")
     checks.check_device("qt.scales", qt.scales, qt.codes.device)
@@ -336,6 +371,8 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     rows, k = _rows_and_k(qt.shape, qt.grouping)
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
     scales = qt.scales.reshape(rows, -(-k // qt.group_size))
+    if qt.scale_format == "e8m0":  # 2^e is exact in fp32 (SPEC 3.2), so every backend takes fp32 scales
+        scales = e8m0_decode(scales)
     impl = backends.resolve(backend, packed.device)
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize
     with torch.no_grad():

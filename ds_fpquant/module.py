@@ -1,8 +1,9 @@
 """``FPQuantizedLinear``: an ``nn.Linear`` whose weight is stored as FP codes + scales.
 
 The weight is dequantized on the fly in ``forward`` (SPEC 5) to ``compute_dtype`` (default: the
-activation's dtype). Codes are a ``uint8`` buffer; the fp32 scales are kept as their little-endian
-bytes (SPEC 6.1) in a ``uint8`` buffer, so ``model.half()`` / ``.to(dtype)`` cannot round them.
+activation's dtype). Codes are a ``uint8`` buffer; the scales are kept as bytes in a ``uint8``
+buffer (fp32 scales as their little-endian bytes, SPEC 6.1; E8M0 scales as they are), so
+``model.half()`` / ``.to(dtype)`` cannot round them.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ class FPQuantizedLinear(torch.nn.Module):
     def __init__(self, qt: QuantizedTensor, bias: Optional[torch.Tensor], compute_dtype: Optional[str] = None,
                  backend: str = "auto"):
         super().__init__()
-        if qt.scale_format != "fp32" or qt.block is not None or len(qt.shape) != 2:
-            raise NotImplementedError("FPQuantizedLinear holds 2-D weights with fp32 group scales")
+        if qt.block is not None or len(qt.shape) != 2:
+            raise NotImplementedError("FPQuantizedLinear holds 2-D weights with group scales (no 2-D blocks yet)")
         self.out_features, self.in_features = qt.shape
         self.fmt, self.group_size, self.orig_dtype = qt.fmt, qt.group_size, qt.dtype
+        self.scale_format = qt.scale_format
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype] if compute_dtype else None
         self.backend = backend
         self.register_buffer("weight_codes", qt.codes)
@@ -52,9 +54,10 @@ class FPQuantizedLinear(torch.nn.Module):
     @property
     def quantized_weight(self) -> QuantizedTensor:
         """The weight as a :class:`QuantizedTensor` (views of the buffers)."""
-        return QuantizedTensor(codes=self.weight_codes, scales=self.weight_scales.view(torch.float32),
+        scales = self.weight_scales.view(torch.float32) if self.scale_format == "fp32" else self.weight_scales
+        return QuantizedTensor(codes=self.weight_codes, scales=scales,
                                shape=torch.Size((self.out_features, self.in_features)), dtype=self.orig_dtype,
-                               fmt=self.fmt, group_size=self.group_size)
+                               fmt=self.fmt, group_size=self.group_size, scale_format=self.scale_format)
 
     def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return self.quantized_weight.dequantize(dtype or self.orig_dtype, backend=self.backend)
@@ -62,7 +65,7 @@ class FPQuantizedLinear(torch.nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of the stored weight (codes + scales)."""
-        return self.weight_codes.numel() + self.weight_scales.numel()
+        return self.weight_codes.numel() + self.weight_scales.numel()  # both uint8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
@@ -73,12 +76,12 @@ class FPQuantizedLinear(torch.nn.Module):
     # state_dict round trip: the format travels with the buffers
     def get_extra_state(self) -> Dict[str, Any]:
         return {"fmt": self.fmt, "group_size": self.group_size, "shape": (self.out_features, self.in_features),
-                "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
+                "scale_format": self.scale_format, "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         mine = self.get_extra_state()
-        if {k: state.get(k) for k in ("fmt", "group_size")} != {k: mine[k] for k in ("fmt", "group_size")} or \
-                tuple(state.get("shape", ())) != mine["shape"]:
+        keys = ("fmt", "group_size", "scale_format")
+        if {k: state.get(k) for k in keys} != {k: mine[k] for k in keys} or tuple(state.get("shape", ())) != mine["shape"]:
             raise ValueError(f"state_dict holds fmt={state.get('fmt')!r}, group_size={state.get('group_size')}, "
                              f"shape={state.get('shape')}; this module is {mine}")
         self.orig_dtype = getattr(torch, state.get("orig_dtype", "float32"))
@@ -111,6 +114,7 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     module.register_buffer("weight_codes", qt.codes)
     module.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
     module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
+                              scale_format=qt.scale_format,
                               compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
     module.weight = None
 
@@ -118,9 +122,9 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         meta = mod._fpq_weight
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
-        view = QuantizedTensor(codes=mod.weight_codes, scales=mod.weight_scales.view(torch.float32),
-                               shape=meta["shape"], dtype=meta["dtype"], fmt=meta["fmt"],
-                               group_size=meta["group_size"])
+        scales = mod.weight_scales.view(torch.float32) if meta["scale_format"] == "fp32" else mod.weight_scales
+        view = QuantizedTensor(codes=mod.weight_codes, scales=scales, shape=meta["shape"], dtype=meta["dtype"],
+                               fmt=meta["fmt"], group_size=meta["group_size"], scale_format=meta["scale_format"])
         mod.weight = view.dequantize(dtype, backend=meta["backend"])
 
     def release(mod, args, output):
@@ -128,4 +132,4 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
 
     module.register_forward_pre_hook(materialize)
     module.register_forward_hook(release)
-    return qt.codes.numel() + qt.scales.numel() * 4
+    return qt.codes.numel() + qt.scales.numel() * qt.scales.element_size()

@@ -185,3 +185,38 @@ def encode_stochastic(x: torch.Tensor, r: torch.Tensor, u: torch.Tensor, fmt: FP
     special = torch.where(torch.isnan(x), nan_code, inf_code) | sign
     finite = torch.isfinite(x)
     return torch.where(finite, code | sign, special if fmt.has_nan else torch.zeros_like(code))
+
+
+# ---- E8M0 power-of-two scales (SPEC 3.2) -----------------------------------------------------------
+
+#: E8M0 stores ``e + 127``; byte 255 is NaN, byte 0 is 2^-127 (OCP MX v1.0, ml_dtypes.float8_e8m0fnu).
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2^k`` for integer ``k`` in ``[-149, 127]`` (built from the bit pattern)."""
+    k = k.to(torch.int64)
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.ones_like(k) << torch.clamp(k + 149, min=0))
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def e8m0_exponents(amax: torch.Tensor, fmt: FPFormat, scale_rounding: str) -> torch.Tensor:
+    """int64 ``e`` of SPEC 3.2, clamped to ``[-127, 127]``; ``e = 0`` where ``amax == 0``.
+
+    ``"floor"``: ``e = floor(log2(amax)) - emax_elem`` (OCP MX v1.0). ``"ceil"``: the smallest
+    ``e`` with ``amax <= fmax * 2^e``, which is the floor exponent or one more (``fmax < 2^(emax+1)``);
+    the comparison is exact in float64.
+    """
+    _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2) = exponent - 1
+    e = exponent.to(torch.int64) - 1 - fmt.emax
+    if scale_rounding == "ceil":
+        e = e + (amax.double() > fmt.fmax * torch.exp2(e.double())).to(torch.int64)
+    return torch.where(amax == 0, torch.zeros_like(e), e).clamp(-127, 127)
+
+
+def e8m0_decode(byte: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 scales: ``2^(b - 127)``; 255 -> NaN."""
+    b = byte.to(torch.int64)
+    return torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000).to(torch.int32).view(torch.float32),
+                       pow2(b - E8M0_BIAS))

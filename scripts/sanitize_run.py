@@ -1,5 +1,5 @@
 """A short CUDA run for ``compute-sanitizer --tool memcheck``: every format and dtype through the
-CUDA op on ragged, tiny, empty and misaligned inputs, stochastic rounding included. Exits 0 when
+CUDA op on ragged, tiny, empty and misaligned inputs, stochastic rounding and E8M0 scales included. Exits 0 when
 every result also equals the torch reference."""
 
 import sys
@@ -19,8 +19,9 @@ def main() -> int:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for x, g in cases:
                 xd = x.to(dtype)
-                for rounding in ("nearest", "stochastic"):
+                for rounding, scale_format in (("nearest", "fp32"), ("stochastic", "fp32"), ("nearest", "e8m0")):
                     kw = dict(rounding=rounding, seed=7) if rounding == "stochastic" else {}
+                    kw["scale_format"] = scale_format
                     got = fpq.quantize(xd.cuda(), fmt, g, backend="cuda", **kw)
                     ref = fpq.quantize(xd, fmt, g, backend="torch", **kw)
                     y = got.dequantize(backend="cuda")
@@ -28,7 +29,7 @@ def main() -> int:
                     same = (torch.equal(got.codes.cpu(), ref.codes) and torch.equal(got.scales.cpu(), ref.scales)
                             and torch.equal(y.cpu(), ref.dequantize(backend="torch")))
                     if not same:
-                        bad.append((fmt, str(dtype), tuple(x.shape), g, rounding))
+                        bad.append((fmt, str(dtype), tuple(x.shape), g, rounding, scale_format))
     print(f"sanitize_run: {len(bad)} mismatching cases", bad[:10])
     return 1 if bad else 0
 

@@ -93,7 +93,7 @@ void launch(fpq::Format fmt, const Args& args, const at::Tensor& t)
 // selects SPEC 4 stochastic rounding with Philox key `seed` and counter offset `offset`.
 std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_name, int64_t group_size,
                                  const c10::optional<at::Tensor>& given_scales, bool stochastic, uint64_t seed,
-                                 uint64_t offset)
+                                 uint64_t offset, const std::string& e8m0)
 {
     const fpq::Format fmt = parse_format(fmt_name);
     TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D (rows, k), got ", x.dim(), "-D");
@@ -105,6 +105,11 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
     const int bits = bits_of(fmt);
     fpq::QuantizeArgs args;
     args.dtype = parse_dtype(x.scalar_type(), "x");
+    TORCH_CHECK_VALUE(e8m0.empty() || e8m0 == "ceil" || e8m0 == "floor", "e8m0='", e8m0,
+                      "' is not supported; allowed: '' (fp32 scales), 'ceil', 'floor'");
+    args.scale_mode = e8m0.empty() ? fpq::ScaleMode::kFp32
+                                   : (e8m0 == "ceil" ? fpq::ScaleMode::kE8m0Ceil : fpq::ScaleMode::kE8m0Floor);
+    TORCH_CHECK_VALUE(!(given_scales.has_value() && !e8m0.empty()), "scales= takes fp32 scales only");
     if (given_scales.has_value()) {
         const at::Tensor& s = *given_scales;
         TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "scales.dtype=", s.scalar_type(),
@@ -115,7 +120,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
         args.given_scales = s.data_ptr<float>();
     }
     auto codes = at::empty({rows, fpq::row_bytes(k, group_size, bits)}, x.options().dtype(at::kByte));
-    auto scales = at::empty({rows, n_groups}, x.options().dtype(at::kFloat));
+    auto scales = at::empty({rows, n_groups}, x.options().dtype(e8m0.empty() ? at::kFloat : at::kByte));
     args.x = x.data_ptr();
     args.rows = rows;
     args.k = k;
@@ -124,7 +129,11 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
     args.seed = seed;
     args.offset = offset;
     args.codes = codes.data_ptr<uint8_t>();
-    args.scales = scales.data_ptr<float>();
+    if (e8m0.empty()) {
+        args.scales = scales.data_ptr<float>();
+    } else {
+        args.scale_bytes = scales.data_ptr<uint8_t>();
+    }
     if (rows * k > 0) {
         launch(fmt, args, x);
     }
@@ -208,7 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.doc() = "ds_fpquant group FP quantization kernels (SPEC.md)";
     m.def("quantize", &quantize, "quantize (rows, k) -> (codes, scales)", py::arg("x"), py::arg("fmt"),
           py::arg("group_size"), py::arg("scales") = py::none(), py::arg("stochastic") = false,
-          py::arg("seed") = 0, py::arg("offset") = 0);
+          py::arg("seed") = 0, py::arg("offset") = 0, py::arg("e8m0") = "");
     m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
     m.def("format_table", &format_table, "the C++ format traits");

@@ -246,7 +246,7 @@ __device__ __forceinline__ uint32_t team_max(uint32_t v, int team_log2)
 
 // ---- kernels -----------------------------------------------------------------------------------
 
-template <class F, class T>
+template <class F, class T, bool kStochastic>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geometry g, int team_log2)
 {
     const TeamIndex t = team_index(team_log2);
@@ -279,10 +279,15 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
         nonfinite = team_max(nonfinite, team_log2);
         if (!active) { continue; }
 
-        // 2. scale (SPEC 3.1) and multiplier from the stored scale
+        // 2. scale (SPEC 3.1 fp32, or 3.2 E8M0) and the multiplier from the stored scale; a format
+        //    without a NaN code carries a NaN/Inf in the stored scale (SPEC 3.3)
+        const bool fault = !F::kHasNan && nonfinite;
+        const bool e8m0 = a.scale_mode != ScaleMode::kFp32;
         const float s = a.given_scales ? a.given_scales[index] : scale_from_amax<F>(bits_f32(amax_bits));
-        const float r = multiplier_from_scale(s);
-        if (t.lane == 0) { a.scales[index] = (!F::kHasNan && nonfinite) ? bits_f32(kF32QuietNan) : s; }
+        const int e = e8m0_exponent<F>(amax_bits, a.scale_mode == ScaleMode::kE8m0Ceil);
+        const float r = e8m0 ? pow2f(-e) : multiplier_from_scale(s);
+        if (t.lane == 0 && e8m0) { a.scale_bytes[index] = uint8_t(fault ? kE8m0Nan : uint32_t(e + kE8m0Bias)); }
+        if (t.lane == 0 && !e8m0) { a.scales[index] = fault ? bits_f32(kF32QuietNan) : s; }
 
         // 3. encode and pack; 8 codes take exactly `bits` bytes
         uint8_t* dst = a.codes + row * g.row_bytes + (index % g.n_groups) * g.group_bytes;
@@ -291,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
             float v[kChunk];
             load_chunk(xs + c * kChunk, len - c * kChunk, v);
             uint32_t codes[kChunk];
-            if (a.stochastic) {
+            if constexpr (kStochastic) {
                 uint32_t u[kChunk];
                 chunk_random_words(a.seed, a.offset, row * g.k + start + c * kChunk, u);
                 encode_chunk_stochastic<F>(v, r, u, codes);
@@ -381,8 +386,13 @@ void launch_over_groups(Format fmt, const Args& args, void* stream, const char* 
 
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream)
 {
-    launch_over_groups(fmt, args, stream, "quantize",
-                       [](auto f, auto t) { return quantize_kernel<decltype(f), decltype(t)>; });
+    if (args.stochastic) {
+        launch_over_groups(fmt, args, stream, "quantize",
+                           [](auto f, auto t) { return quantize_kernel<decltype(f), decltype(t), true>; });
+    } else {
+        launch_over_groups(fmt, args, stream, "quantize",
+                           [](auto f, auto t) { return quantize_kernel<decltype(f), decltype(t), false>; });
+    }
 }
 
 void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream)

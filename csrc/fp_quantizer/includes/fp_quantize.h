@@ -20,7 +20,9 @@ struct QuantizeArgs {
     int64_t group_size = 1;
     const float* given_scales = nullptr;  // optional (rows, ceil(k/G)) caller-given scales
     uint8_t* codes = nullptr;             // (rows, row_bytes) output
-    float* scales = nullptr;              // (rows, ceil(k/G)) output
+    float* scales = nullptr;              // (rows, ceil(k/G)) output, ScaleMode::kFp32
+    uint8_t* scale_bytes = nullptr;       // (rows, ceil(k/G)) E8M0 output, the E8M0 modes
+    ScaleMode scale_mode = ScaleMode::kFp32;
     bool stochastic = false;              // SPEC 4 stochastic rounding instead of RNE
     uint64_t seed = 0;                    // Philox key
     uint64_t offset = 0;                  // Philox counter words 0-1; element index in words 2-3

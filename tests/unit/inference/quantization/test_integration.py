@@ -127,3 +127,19 @@ class TestInitInference:
     def test_kwargs_pass_through(self, gpt2):
         engine = fpq.init_inference(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e5m2"}}, dtype=torch.float32)
         assert engine.module.transformer.h[0].mlp.c_fc.fmt == "e5m2"
+
+
+def test_mx_preset_and_e8m0_in_config(gpt2):
+    model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "mxfp4", "modules": {
+        "attn": {"fmt": "e4m3", "group_size": 64, "scale_format": "e8m0", "rounding": "stochastic"}}}})
+    mlp, attn = model.transformer.h[0].mlp.c_fc, model.transformer.h[0].attn.c_attn
+    assert (mlp.fmt, mlp.group_size, mlp.scale_format) == ("mxfp4", 32, "e8m0")
+    assert (attn.fmt, attn.group_size, attn.scale_format) == ("e4m3", 64, "e8m0")
+    expected = fpq.quantize(gpt2.transformer.h[0].mlp.c_fc.weight.detach().t(), "mxfp4")
+    assert torch.equal(mlp.weight_scales, expected.scales) and torch.equal(mlp.dequantized_weight(), expected.dequantize())
+    ids = torch.randint(0, 100, (1, 7))
+    out = model(ids).logits
+    fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "mxfp4", "modules": {
+        "attn": {"fmt": "e4m3", "group_size": 64, "scale_format": "e8m0"}}}})
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh(ids).logits, out)

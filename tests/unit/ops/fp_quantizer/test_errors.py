@@ -47,9 +47,7 @@ def test_not_a_tensor():
 
 
 @pytest.mark.parametrize("kwargs,feature", [
-    (dict(scale_format="e8m0"), "e8m0"),
     (dict(block=(2, 2)), "block"),
-    (dict(fmt="mxfp4"), "mxfp4"),
     (dict(fmt="nvfp4"), "nvfp4"),
 ])
 def test_later_features_raise_not_implemented(kwargs, feature):

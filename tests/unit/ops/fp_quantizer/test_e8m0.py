@@ -1,0 +1,114 @@
+"""SPEC 3.2 E8M0 scales and the MX presets, bit for bit against an oracle (ml_dtypes
+float8_e8m0fnu for the bytes, exact rationals for the exponent rule), on every backend."""
+
+import math
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant.reference import e8m0_decode
+from unit.oracle import SPEC_FMAX, assert_bitwise_equal, bits_of, code_values, encode, pack_group
+
+FORMATS = list(fpq.FORMATS)
+EMAX_ELEM = {"e4m3": 8, "e5m2": 15, "e3m2": 4, "e2m3": 2, "e2m1": 2, "e4m7": 8}  # SPEC 3.2, typed from the SPEC
+
+
+def test_e8m0_decode_every_byte():
+    ours = e8m0_decode(torch.arange(256, dtype=torch.uint8)).numpy()
+    ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    assert_bitwise_equal(ours, ref, "E8M0 decode")
+    assert ours[0] == 2.0**-127 and math.isnan(ours[255])
+
+
+def _oracle_e(amax: float, fmt: str, rounding: str) -> int:
+    if amax == 0:
+        return 0
+    a = Fraction(amax)
+    e_floor = math.floor(math.log2(amax))
+    while Fraction(2) ** e_floor > a:  # exact floor(log2) with rationals
+        e_floor -= 1
+    while Fraction(2) ** (e_floor + 1) <= a:
+        e_floor += 1
+    if rounding == "floor":
+        e = e_floor - EMAX_ELEM[fmt]
+    else:
+        e = e_floor - EMAX_ELEM[fmt] - 1
+        while a > Fraction(SPEC_FMAX[fmt]) * Fraction(2) ** e:
+            e += 1
+    return max(-127, min(127, e))
+
+
+def _oracle(x: np.ndarray, fmt: str, g: int, rounding: str):
+    """Flat grouping: (packed bytes, scale bytes, dequantized fp32)."""
+    out_codes, out_scales, deq = [], [], []
+    values = code_values(fmt)
+    no_nan_code = fmt not in ("e4m3", "e5m2")
+    for start in range(0, len(x), g):
+        grp = x[start:start + g].astype(np.float32)
+        finite = np.isfinite(grp)
+        amax = float(np.abs(np.where(finite, grp, 0)).max()) if len(grp) else 0.0
+        e = _oracle_e(amax, fmt, rounding)
+        s = np.float32(2.0**e)
+        codes = encode(grp, np.full(grp.shape, s, np.float32), fmt)
+        out_codes.append(pack_group(codes, fmt))
+        fault = no_nan_code and not finite.all()
+        out_scales.append(255 if fault else e + 127)
+        with np.errstate(invalid="ignore", over="ignore"):
+            deq.append((values[codes].astype(np.float32) * (np.float32("nan") if fault else s)).astype(np.float32))
+    return (np.frombuffer(b"".join(out_codes), dtype=np.uint8), np.array(out_scales, dtype=np.uint8),
+            np.concatenate(deq) if deq else np.zeros(0, np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("group_size", [1, 7, 32])
+def test_e8m0_exact(target, fmt, rounding, group_size):
+    gen = torch.Generator().manual_seed(group_size)
+    x = torch.randn(600, generator=gen) * torch.exp2(torch.randint(-140, 120, (600,), generator=gen).float())
+    x[:40] = 0.0  # zero groups
+    x[41] = float("nan")
+    x[100:104] = torch.tensor([3e38, -1e-45, 2.0**-149, 448.0])
+    packed, scale_bytes, deq = _oracle(x.numpy(), fmt, group_size, rounding)
+    qt = fpq.quantize(x.to(target.device), fmt, group_size, grouping="flat", scale_format="e8m0",
+                      scale_rounding=rounding, backend=target.backend)
+    assert qt.scales.dtype == torch.uint8 and qt.scale_format == "e8m0"
+    assert_bitwise_equal(qt.scales.cpu(), scale_bytes, f"{fmt} {rounding} E8M0 bytes")
+    assert_bitwise_equal(qt.codes.cpu(), packed, f"{fmt} {rounding} codes")
+    y = qt.dequantize(torch.float32, backend=target.backend).cpu()
+    assert_bitwise_equal(y, deq, f"{fmt} {rounding} dequantized")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ceil_never_saturates_floor_may(fmt):
+    f = fpq.get_format(fmt)
+    # amax = 1.999 * 2^emax_elem: its significand exceeds fmax's, so ceil gives s = 2 and floor s = 1
+    x = torch.tensor([1.999 * 2.0**f.emax, 1.0, -0.5, 0.25])
+    ceil = fpq.quantize(x, fmt, 4, scale_format="e8m0")
+    floor = fpq.quantize(x, fmt, 4, scale_format="e8m0", scale_rounding="floor")
+    assert ceil.scales.item() == 128 and floor.scales.item() == 127
+    assert ceil.dequantize()[0].item() <= 2 * f.fmax and floor.dequantize()[0].item() == f.fmax  # saturated
+
+
+@pytest.mark.parametrize("preset,element", [("mxfp8_e4m3", "e4m3"), ("mxfp8_e5m2", "e5m2"), ("mxfp6_e3m2", "e3m2"),
+                                            ("mxfp6_e2m3", "e2m3"), ("mxfp4", "e2m1")])
+def test_mx_presets(target, preset, element):
+    x = torch.randn(3, 100).to(target.device)
+    qt = fpq.quantize(x, preset, backend=target.backend)
+    same = fpq.quantize(x, element, 32, scale_format="e8m0", backend=target.backend)
+    assert qt.group_size == 32 and qt.scale_format == "e8m0" and qt.fmt == preset and qt.format.name == element
+    assert torch.equal(qt.codes, same.codes) and torch.equal(qt.scales, same.scales)
+    assert torch.equal(qt.dequantize(backend=target.backend), same.dequantize(backend=target.backend))
+
+
+def test_preset_conflicts_are_errors():
+    x = torch.randn(64)
+    with pytest.raises(ValueError, match="fmt='mxfp4' fixes group_size=32; got group_size=64"):
+        fpq.quantize(x, "mxfp4", 64)
+    with pytest.raises(ValueError, match="scales= takes fp32 scales"):
+        fpq.quantize(x, "e4m3", 32, scale_format="e8m0", scales=torch.ones(2))
+    with pytest.raises(NotImplementedError, match="nvfp4"):
+        fpq.quantize(x, "nvfp4")
