@@ -116,9 +116,44 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     if backend in ("cpu", "cuda") and x.device.type != backend:
         raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
     if block is not None:
-        raise NotImplementedError("block=(Br, Bc) 2-D block scaling (SPEC 2) is not implemented yet; "
-                                  "use group_size with grouping='row' or 'flat'")
+        _check_block(block, x, grouping)
     return f
+
+
+def _check_block(block, x, grouping) -> Tuple[int, int]:
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise TypeError(f"block must be a (Br, Bc) pair of ints >= 1, got {block!r}")
+    br, bc = checks.check_int("block[0]", block[0], 1), checks.check_int("block[1]", block[1], 1)
+    if x is not None and x.dim() != 2:
+        raise ValueError(f"block={(br, bc)} needs a 2-D tensor; x has shape {tuple(x.shape)}")
+    if grouping != "row":
+        raise ValueError(f"block={(br, bc)} lays codes out by rows (SPEC 6); grouping must be 'row', "
+                         f"got {grouping!r}")
+    return br, bc
+
+
+def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: Optional[str]):
+    """2-D blocks (SPEC 2, 3): (stored tile scales ``(ceil(N/Br), ceil(K/Bc))``, and the fp32 scale of
+    each (row, Bc-segment) ``(N, ceil(K/Bc))`` that the row kernels encode with).
+
+    Codes are laid out exactly as row grouping with ``G = Bc``; only the scales differ, so every
+    backend quantizes with these per-segment scales and gives the same bits.
+    """
+    br, bc = block
+    n, k = x2.shape
+    nr, nc = -(-n // br), -(-k // bc)
+    x32 = torch.nn.functional.pad(x2.to(torch.float32), (0, nc * bc - k, 0, nr * br - n))
+    tiles = x32.view(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr, nc, br * bc)
+    amax, nonfinite = group_amax(tiles)
+    fault = nonfinite if not f.has_nan else torch.zeros_like(nonfinite)  # SPEC 3.3
+    if e8m0 is not None:
+        e = e8m0_exponents(amax, f, e8m0)
+        used = pow2(e)
+        stored = torch.where(fault, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
+    else:
+        used = scales_from_amax(amax, f)
+        stored = torch.where(fault, torch.full_like(used, float("nan")), used)
+    return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
 def element_format(fmt) -> FPFormat:
@@ -269,7 +304,10 @@ def quantize(
         seed: 64-bit stochastic-rounding key; ``None`` draws one from torch's default generator
             (so ``torch.manual_seed`` makes runs reproducible). Only with ``rounding="stochastic"``.
         offset: 64-bit counter offset: use a new one per call to get fresh random words.
-        block: 2-D block scaling raises ``NotImplementedError`` in this version; so does ``"nvfp4"``.
+        block: ``(Br, Bc)`` for 2-D block scaling of a 2-D tensor (weights, DeepSeek-V3 style
+            ``(128, 128)``): one scale per tile, edge tiles smaller; overrides ``group_size`` (codes are
+            laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``).
+            ``"nvfp4"`` raises ``NotImplementedError`` in this version.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -293,6 +331,11 @@ def quantize(
     if scales is not None and scale_format != "fp32":
         raise ValueError(f"scales= takes fp32 scales; it cannot be combined with scale_format={scale_format!r}")
     e8m0 = scale_rounding if scale_format == "e8m0" else None
+    if block is not None:
+        block = _check_block(block, x, grouping)
+        if scales is not None:
+            raise ValueError("scales= cannot be combined with block=: the block scales come from the tiles' amax")
+        group_size = block[1]  # rows of codes are cut into segments of Bc (SPEC 6)
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)
@@ -307,6 +350,10 @@ def quantize(
     g_eff = min(group_size, max(k, 1))
     with torch.no_grad():  # quantization is not differentiable; results never carry autograd history
         x2 = x.detach().resolve_neg().resolve_conj().contiguous().reshape(rows, k)
+        stored = None
+        if block is not None:
+            stored, scales = _block_scales(x2, f, block, e8m0)
+            scales_shape, e8m0 = tuple(stored.shape), None  # encode with the per-segment fp32 scales
         if impl is backends.TORCH:
             with ieee_denormals():
                 packed, s = _quantize_rows(x2, f, g_eff, scales, stream, e8m0)
@@ -315,12 +362,13 @@ def quantize(
             packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
-        scales=s.reshape(scales_shape),
+        scales=(s if stored is None else stored).reshape(scales_shape),
         shape=torch.Size(shape),
         dtype=x.dtype,
         fmt=fmt,
         group_size=group_size,
         grouping=grouping,
+        block=block,
         scale_format=scale_format,
     )
 
@@ -334,11 +382,15 @@ def _check_quantized(qt) -> FPFormat:
     checks.check_shape("qt.shape", qt.shape)
     checks.check_float_dtype("qt.dtype", qt.dtype)
     checks.check_choice("qt.scale_format", qt.scale_format, SCALE_FORMATS)
-    if qt.block is not None:
-        raise NotImplementedError(f"dequantize of block={qt.block!r} is not implemented yet")
     codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
     checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
     scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)
+    if qt.block is not None:
+        br, bc = _check_block(qt.block, None, qt.grouping)
+        if len(qt.shape) != 2 or qt.group_size != bc:
+            raise ValueError(f"qt.block={qt.block!r} needs a 2-D shape and group_size == Bc; got shape "
+                             f"{tuple(qt.shape)}, group_size={qt.group_size}")
+        scales_shape = (-(-qt.shape[0] // br), -(-qt.shape[1] // bc))
     scale_dtype = torch.float32 if qt.scale_format == "fp32" else torch.uint8
     if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != scale_dtype:
         raise TypeError(f"qt.scales must be a {str(scale_dtype).replace('torch.', '')} tensor for "
@@ -370,9 +422,12 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     checks.check_choice("backend", backend, BACKENDS)
     rows, k = _rows_and_k(qt.shape, qt.grouping)
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
-    scales = qt.scales.reshape(rows, -(-k // qt.group_size))
+    scales = qt.scales
     if qt.scale_format == "e8m0":  # 2^e is exact in fp32 (SPEC 3.2), so every backend takes fp32 scales
         scales = e8m0_decode(scales)
+    if qt.block is not None:  # each tile's scale for each of its rows
+        scales = scales.repeat_interleave(qt.block[0], dim=0)[:rows]
+    scales = scales.reshape(rows, -(-k // qt.group_size))
     impl = backends.resolve(backend, packed.device)
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize
     with torch.no_grad():

@@ -30,11 +30,11 @@ class FPQuantizedLinear(torch.nn.Module):
     def __init__(self, qt: QuantizedTensor, bias: Optional[torch.Tensor], compute_dtype: Optional[str] = None,
                  backend: str = "auto"):
         super().__init__()
-        if qt.block is not None or len(qt.shape) != 2:
-            raise NotImplementedError("FPQuantizedLinear holds 2-D weights with group scales (no 2-D blocks yet)")
+        if len(qt.shape) != 2:
+            raise ValueError(f"FPQuantizedLinear holds a 2-D weight, got shape {tuple(qt.shape)}")
         self.out_features, self.in_features = qt.shape
         self.fmt, self.group_size, self.orig_dtype = qt.fmt, qt.group_size, qt.dtype
-        self.scale_format = qt.scale_format
+        self.scale_format, self.block = qt.scale_format, qt.block
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype] if compute_dtype else None
         self.backend = backend
         self.register_buffer("weight_codes", qt.codes)
@@ -57,7 +57,8 @@ class FPQuantizedLinear(torch.nn.Module):
         scales = self.weight_scales.view(torch.float32) if self.scale_format == "fp32" else self.weight_scales
         return QuantizedTensor(codes=self.weight_codes, scales=scales,
                                shape=torch.Size((self.out_features, self.in_features)), dtype=self.orig_dtype,
-                               fmt=self.fmt, group_size=self.group_size, scale_format=self.scale_format)
+                               fmt=self.fmt, group_size=self.group_size, scale_format=self.scale_format,
+                               block=self.block)
 
     def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return self.quantized_weight.dequantize(dtype or self.orig_dtype, backend=self.backend)
@@ -76,19 +77,21 @@ class FPQuantizedLinear(torch.nn.Module):
     # state_dict round trip: the format travels with the buffers
     def get_extra_state(self) -> Dict[str, Any]:
         return {"fmt": self.fmt, "group_size": self.group_size, "shape": (self.out_features, self.in_features),
-                "scale_format": self.scale_format, "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
+                "scale_format": self.scale_format, "block": self.block,
+                "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         mine = self.get_extra_state()
-        keys = ("fmt", "group_size", "scale_format")
+        keys = ("fmt", "group_size", "scale_format", "block")
         if {k: state.get(k) for k in keys} != {k: mine[k] for k in keys} or tuple(state.get("shape", ())) != mine["shape"]:
             raise ValueError(f"state_dict holds fmt={state.get('fmt')!r}, group_size={state.get('group_size')}, "
                              f"shape={state.get('shape')}; this module is {mine}")
         self.orig_dtype = getattr(torch, state.get("orig_dtype", "float32"))
 
     def extra_repr(self) -> str:
+        scaling = f"block={self.block}" if self.block else f"group_size={self.group_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt}, group_size={self.group_size}")
+                f"fmt={self.fmt}, {scaling}")
 
 
 def is_weight_quantized(module: torch.nn.Module) -> bool:
@@ -114,7 +117,7 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     module.register_buffer("weight_codes", qt.codes)
     module.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
     module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
-                              scale_format=qt.scale_format,
+                              scale_format=qt.scale_format, block=qt.block,
                               compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
     module.weight = None
 
@@ -124,7 +127,8 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
         scales = mod.weight_scales.view(torch.float32) if meta["scale_format"] == "fp32" else mod.weight_scales
         view = QuantizedTensor(codes=mod.weight_codes, scales=scales, shape=meta["shape"], dtype=meta["dtype"],
-                               fmt=meta["fmt"], group_size=meta["group_size"], scale_format=meta["scale_format"])
+                               fmt=meta["fmt"], group_size=meta["group_size"], scale_format=meta["scale_format"],
+                               block=meta["block"])
         mod.weight = view.dequantize(dtype, backend=meta["backend"])
 
     def release(mod, args, output):

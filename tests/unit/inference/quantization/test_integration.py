@@ -143,3 +143,12 @@ def test_mx_preset_and_e8m0_in_config(gpt2):
         "attn": {"fmt": "e4m3", "group_size": 64, "scale_format": "e8m0"}}}})
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(fresh(ids).logits, out)
+
+
+def test_block_scaling_in_config(gpt2):
+    model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e4m3", "block": [32, 32]}})
+    layer = model.transformer.h[1].mlp.c_fc  # weight (256, 64) as a Linear: 8 x 2 tiles
+    assert layer.block == (32, 32) and layer.weight_scales.numel() == 8 * 2 * 4
+    expected = fpq.quantize(gpt2.transformer.h[1].mlp.c_fc.weight.detach().t(), "e4m3", block=(32, 32))
+    assert torch.equal(layer.dequantized_weight(), expected.dequantize())
+    assert torch.isfinite(model(torch.randint(0, 100, (1, 5))).logits).all()

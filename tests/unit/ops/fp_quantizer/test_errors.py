@@ -47,7 +47,6 @@ def test_not_a_tensor():
 
 
 @pytest.mark.parametrize("kwargs,feature", [
-    (dict(block=(2, 2)), "block"),
     (dict(fmt="nvfp4"), "nvfp4"),
 ])
 def test_later_features_raise_not_implemented(kwargs, feature):
