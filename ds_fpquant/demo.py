@@ -26,8 +26,11 @@ from typing import List, Sequence
 
 import torch
 
-from .formats import FORMATS
+from .formats import FORMATS, PRESETS
 
+#: Table rows: every element format at --group-size, two MX presets (G=32, E8M0 scales) and
+#: DeepSeek-V3-style 128x128 block scaling.
+DEFAULT_ROWS = (*FORMATS, "mxfp8_e4m3", "mxfp4", "e4m3/128x128")
 #: Sentences embedded by default.
 DEFAULT_SENTENCES = 300
 #: Leading docstring paragraphs read per module.
@@ -106,13 +109,21 @@ def nearest_neighbours(emb: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Row:
     fmt: str
-    group_size: int
+    group_size: str  # "128", or "128x128" for 2-D blocks
     bytes_before: int
     bytes_after: int
     mean_cos: float
     min_cos: float
     nn_agreement: float
     quantize_s: float
+
+
+def _section(fmt: str, group_size: int) -> dict:
+    """The ``fp_quantization`` section of one table row. ``"e4m3/128x128"`` means 2-D blocks."""
+    if "/" in fmt:
+        element, block = fmt.split("/")
+        return {"fmt": element, "block": [int(v) for v in block.split("x")]}
+    return {"fmt": fmt, "group_size": group_size}
 
 
 def quantized_engine(model: torch.nn.Module, fmt: str, group_size: int, repeat: int = 3):
@@ -123,7 +134,7 @@ def quantized_engine(model: torch.nn.Module, fmt: str, group_size: int, repeat: 
     from .module import FPQuantizedLinear
 
     before = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is torch.nn.Linear)
-    config = {"fp_quantization": {"fmt": fmt, "group_size": group_size, "exclude": []}, **INFERENCE_CONFIG}
+    config = {"fp_quantization": {**_section(fmt, group_size), "exclude": []}, **INFERENCE_CONFIG}
     times = []
     for _ in range(repeat):
         copy_ = copy.deepcopy(model)
@@ -163,7 +174,9 @@ def run(formats: Sequence[str], group_size: int, sentences: int) -> List[Row]:
         engine, before, after, seconds = quantized_engine(copy.deepcopy(model), fmt, group_size)
         emb = embed(engine, tokenizer, text)
         cos = (emb * reference).sum(dim=1)
-        rows.append(Row(fmt, group_size, before, after, cos.mean().item(), cos.min().item(),
+        label_fmt, _, block = fmt.partition("/")
+        label_g = block or str(PRESETS[fmt][1] if fmt in PRESETS else group_size)
+        rows.append(Row(label_fmt, label_g, before, after, cos.mean().item(), cos.min().item(),
                         (nearest_neighbours(emb) == ref_nn).float().mean().item(), seconds))
     return rows
 
@@ -185,8 +198,10 @@ def format_table(rows: Sequence[Row]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ds-fpquant demo", description="Quantize a real model's linear weights "
                                      "(all-MiniLM-L6-v2) in each format and measure what it costs.")
-    parser.add_argument("--fmt", nargs="+", default=list(FORMATS), choices=list(FORMATS),
-                        help="element formats to try (default: all)")
+    parser.add_argument("--fmt", nargs="+", default=list(DEFAULT_ROWS), choices=list(DEFAULT_ROWS) + ["mxfp8_e5m2",
+                                                                                                  "mxfp6_e3m2",
+                                                                                                  "mxfp6_e2m3"],
+                        help="table rows: element formats, MX presets, e4m3/128x128 for 2-D blocks (default: all these)")
     parser.add_argument("--group-size", type=int, default=128, help="elements per scale group (default 128)")
     parser.add_argument("--sentences", type=int, default=DEFAULT_SENTENCES, help="sentences to embed")
     args = parser.parse_args(argv)
