@@ -15,7 +15,7 @@ import enum
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class TopCode(enum.Enum):
@@ -156,6 +156,20 @@ DEEPSPEED_FORMATS: Dict[Tuple[int, int], str] = {
     (4, 1): "e2m1",
     (12, 7): "e4m7",
 }
+
+
+def traits_table() -> Dict[str, Dict[str, Any]]:
+    """The format table in the shape of the C++ op's ``format_table()`` (fp_codec.h traits), so
+    a test can check that the two definitions agree (SPEC 1). Formats without NaN/Inf report the
+    code the codec writes for them (0)."""
+    table = {}
+    for name, f in FORMATS.items():
+        nan = f.nan_code if f.has_nan else 0
+        table[name] = dict(ebits=f.ebits, mbits=f.mbits, bits=f.bits, bias=f.bias, emax=f.emax, fmax=f.fmax,
+                           min_normal=f.min_normal, min_subnormal=f.min_subnormal, has_inf=f.has_inf,
+                           has_nan=f.has_nan, max_code=f.max_code, nan_code=nan,
+                           inf_code=f.inf_code if f.has_inf else nan)
+    return table
 
 
 def get_format(fmt) -> FPFormat:

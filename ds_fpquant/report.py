@@ -54,7 +54,7 @@ def deepspeed_report(builders: Dict[str, object]) -> None:
                 env_report.installed_ops[name] = value
 
 
-def _self_test(module, device: str) -> Tuple[bool, str]:
+def self_test(module, device: str) -> Tuple[bool, str]:
     """Every format, RNE and stochastic, through the op's kernels on ``device`` vs the torch reference."""
     from .api import quantize
 
@@ -88,7 +88,7 @@ def build_and_test(builders: Dict[str, object]) -> List[Tuple[str, bool, str]]:
             continue
         seconds = time.perf_counter() - t0
         device = "cuda" if getattr(module, "WITH_CUDA", False) and torch.cuda.is_available() else "cpu"
-        ok, detail = _self_test(module, device)
+        ok, detail = self_test(module, device)
         rows.append((name, ok, f"{'PASS' if ok else 'FAIL'} ({detail}; load {seconds:.1f} s)"))
     return rows
 

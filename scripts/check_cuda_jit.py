@@ -25,9 +25,10 @@ def main() -> int:
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     import torch
 
-    import ds_fpquant as fpq
+    from ds_fpquant.formats import traits_table
     from ds_fpquant.op_builder.builder import cuda_tool
     from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
+    from ds_fpquant.report import self_test
 
     result = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "gpu": torch.cuda.is_available()}
     builder = FPQuantizerBuilder()
@@ -39,15 +40,8 @@ def main() -> int:
     result["module"] = module.__file__
     result["with_cuda"] = bool(module.WITH_CUDA)
 
-    table = module.format_table()
-    mismatches = []
-    for name, f in fpq.FORMATS.items():
-        expected = dict(ebits=f.ebits, mbits=f.mbits, bits=f.bits, bias=f.bias, emax=f.emax, fmax=f.fmax,
-                        min_normal=f.min_normal, min_subnormal=f.min_subnormal, has_inf=f.has_inf,
-                        has_nan=f.has_nan, max_code=f.max_code, nan_code=f.nan_code or 0,
-                        inf_code=f.inf_code if f.has_inf else (f.nan_code or 0))
-        if table.get(name) != expected:
-            mismatches.append({name: {"cpp": table.get(name), "python": expected}})
+    cpp_table, py_table = module.format_table(), traits_table()
+    mismatches = [] if cpp_table == py_table else [{"cpp": cpp_table, "python": py_table}]
     result["format_table_mismatches"] = mismatches
 
     cuda_tool("nvdisasm")
@@ -58,15 +52,9 @@ def main() -> int:
     result["f2fp_e5m2"] = sass.count("F2FP.SATFINITE.E5M2")
     result["local_memory_ops"] = sum(1 for line in sass.splitlines() if " LDL" in line or " STL" in line)
 
-    x = torch.randn(37, 301) * 3
-    bad = []
-    for fmt in fpq.FORMATS:
-        ref = fpq.quantize(x, fmt, 64, backend="torch")
-        codes, scales = module.quantize(x, fmt, 64, None)
-        y = module.dequantize(codes, scales, 301, fmt, 64, torch.float32)
-        if not (torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales) and torch.equal(y, ref.dequantize())):
-            bad.append(fmt)
-    result["cpu_kernels_mismatch"] = bad
+    passed, detail = self_test(module, "cpu")  # its CPU kernels vs the torch reference, bit for bit
+    result["cpu_kernels"] = detail
+    bad = [] if passed else [detail]
 
     ok = (result["compatible"] and result["with_cuda"] and not mismatches and result["f2fp_e4m3"] > 0
           and result["f2fp_e5m2"] > 0 and result["local_memory_ops"] == 0 and not bad

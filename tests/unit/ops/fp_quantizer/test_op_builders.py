@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ds_fpquant as fpq
+from ds_fpquant.formats import traits_table
 from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
 from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
@@ -18,21 +18,10 @@ from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
 REPO = Path(__file__).resolve().parents[4]
 
 
-def _python_table():
-    out = {}
-    for name, f in fpq.FORMATS.items():
-        nan = f.nan_code if f.has_nan else 0
-        out[name] = dict(ebits=f.ebits, mbits=f.mbits, bits=f.bits, bias=f.bias, emax=f.emax, fmax=f.fmax,
-                         min_normal=f.min_normal, min_subnormal=f.min_subnormal, has_inf=f.has_inf,
-                         has_nan=f.has_nan, max_code=f.max_code, nan_code=nan,
-                         inf_code=f.inf_code if f.has_inf else nan)
-    return out
-
-
 def test_cpu_op_format_table_matches_python():
     """SPEC 1: the C++ traits (fp_codec.h) and formats.py are the same table."""
     module = FPQuantizerCPUBuilder().load()
-    assert module.format_table() == _python_table()
+    assert module.format_table() == traits_table()
     assert module.WITH_CUDA is False
 
 
