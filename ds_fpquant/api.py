@@ -13,12 +13,15 @@ from . import backends, checks
 from .formats import FORMATS, PRESETS, FPFormat, get_format
 from .packing import pack_rows, row_bytes, unpack_rows
 from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
-                        encode_stochastic, group_amax, pow2, random_words, scales_from_amax)
+                        encode_stochastic, group_amax, nvfp4_group_scales, nvfp4_tensor_scale, pow2, random_words,
+                        scales_from_amax)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize"]
 
 GROUPINGS = ("row", "flat")
 SCALE_FORMATS = ("fp32", "e8m0")
+#: ``QuantizedTensor.scale_format`` of ``fmt="nvfp4"``: its group scales are e4m3 codes (SPEC 3.4).
+NVFP4_SCALE_FORMAT = "e4m3"
 SCALE_ROUNDINGS = ("ceil", "floor")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "cuda", "cpu", "torch")
@@ -36,10 +39,14 @@ class QuantizedTensor:
             packed one after another (SPEC 6); for 8-bit formats ``codes.shape == shape`` and
             ``codes.view(torch.float8_e4m3fn)`` (or ``float8_e5m2``) is valid. Flat grouping: 1-D.
         scales: one per group, ``(*shape[:-1], ceil(K/G))`` for row grouping, ``(ceil(numel/G),)``
-            for flat grouping: ``torch.float32`` (SPEC 3.1) or E8M0 bytes ``torch.uint8`` (SPEC 3.2).
+            for flat grouping: ``torch.float32`` (SPEC 3.1), E8M0 bytes ``torch.uint8`` (SPEC 3.2) or,
+            for ``fmt="nvfp4"``, e4m3 codes ``torch.uint8`` (SPEC 3.4; ``.view(torch.float8_e4m3fn)``).
         shape, dtype: the original tensor's shape and dtype.
-        fmt, group_size, grouping, block, scale_format: as passed to :func:`quantize`.
-        tensor_scale: NVFP4 per-tensor scale (SPEC 3.4); ``None`` otherwise.
+        fmt, group_size, grouping, block, scale_format: as passed to :func:`quantize` (presets
+            resolved: an MX preset has ``group_size=32, scale_format="e8m0"``, ``"nvfp4"`` has
+            ``group_size=16, scale_format="e4m3"``).
+        tensor_scale: ``fmt="nvfp4"`` only: the 0-d fp32 per-tensor scale ``t`` (SPEC 3.4); ``None``
+            otherwise.
     """
 
     codes: torch.Tensor
@@ -99,9 +106,6 @@ def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int,
 def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed,
                          backend) -> FPFormat:
     checks.check_tensor("x", x)
-    if fmt == "nvfp4":
-        raise NotImplementedError("fmt='nvfp4' (SPEC 3.4) is not implemented yet; implemented formats: "
-                                  f"{', '.join([*FORMATS, *(p for p in PRESETS if p != 'nvfp4')])}")
     f = element_format(fmt)
     checks.check_choice("grouping", grouping, GROUPINGS)
     checks.check_choice("scale_format", scale_format, SCALE_FORMATS)
@@ -110,9 +114,13 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     checks.check_choice("backend", backend, BACKENDS)
     if seed is not None and rounding != "stochastic":
         raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
-    if scale_rounding != "ceil" and scale_format != "e8m0" and fmt not in PRESETS:
+    e8m0_preset = fmt in PRESETS and PRESETS[fmt][2] == "e8m0"
+    if scale_rounding != "ceil" and scale_format != "e8m0" and not e8m0_preset:
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
-                         f"(got scale_format={scale_format!r}); leave it at 'ceil'")
+                         f"(got fmt={fmt!r}, scale_format={scale_format!r}); leave it at 'ceil'")
+    if fmt == "nvfp4" and block is not None:
+        raise ValueError(f"fmt='nvfp4' fixes groups of 16 along the last dim (SPEC 3.4); block={block!r} "
+                         f"cannot be combined with it")
     if backend in ("cpu", "cuda") and x.device.type != backend:
         raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
     if block is not None:
@@ -156,15 +164,57 @@ def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: O
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
+def _nvfp4_scales(x2: torch.Tensor, group_size: int):
+    """NVFP4 scales (SPEC 3.4) of ``x2`` ``(R, K)`` in groups of ``group_size`` along K.
+
+    Returns ``(stored, t, used, zero)``: the stored e4m3 group scale codes (uint8 ``(R, ceil(K/G))``,
+    ``0x7F`` for a group with NaN/Inf), the 0-d fp32 tensor scale ``t``, the fp32 scale each group's
+    elements encode with (``s = fl(decode(c) * t)``; 1.0 where ``zero``, whose codes are then cleared)
+    and the bool mask of the groups whose codes are all 0: ``s == 0``, or ``s`` so small (below
+    2^-128) that ``r = fl(1/s)`` overflows (read as ``s == 0``; SPEC 3.4 does not cover it).
+    """
+    element, scale_code = get_format("e2m1"), get_format(NVFP4_SCALE_FORMAT)
+    rows, k = x2.shape
+    n_groups = -(-k // group_size)
+    x32 = x2.to(torch.float32)
+    if n_groups * group_size != k:
+        x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))  # zeros never change an amax
+    amax, nonfinite = group_amax(x32.view(rows, n_groups, group_size))
+    amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
+    t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
+    c, s = nvfp4_group_scales(amax, t, element, scale_code)
+    zero = ~torch.isfinite(torch.ones((), dtype=torch.float32, device=s.device) / s)
+    stored = torch.where(nonfinite, scale_code.nan_code, c).to(torch.uint8)  # SPEC 3.4: 0x7F marks the fault
+    return stored, t, torch.where(zero, torch.ones_like(s), s), zero
+
+
+def _clear_groups(packed: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+    """Set every code of the groups in ``zero`` ``(R, n_groups)`` to 0 in the packed rows ``(R, row_bytes)``
+    (each group starts on a byte and takes ``ceil(g * bits / 8)`` bytes, SPEC 6)."""
+    group_bytes = -(-group_size * bits // 8)
+    group_of_byte = torch.arange(packed.shape[1], device=packed.device) // group_bytes
+    return packed.masked_fill_(zero[:, group_of_byte], 0)
+
+
 def element_format(fmt) -> FPFormat:
-    """The element format of ``fmt``: a format name, or a preset's element format (API.md)."""
+    """The element format of ``fmt``: a format name, or a preset's element format (API.md).
+
+    Raises:
+        TypeError, ValueError: ``fmt`` is not a str, or names neither a format nor a preset.
+    """
     if isinstance(fmt, str) and fmt in PRESETS:
         return get_format(PRESETS[fmt][0])
-    return get_format(fmt)
+    if isinstance(fmt, FPFormat) or (isinstance(fmt, str) and fmt in FORMATS):
+        return get_format(fmt)
+    allowed = ", ".join([*FORMATS, *PRESETS])
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt must be a str, got {type(fmt).__name__} ({fmt!r}); allowed: {allowed}")
+    raise ValueError(f"fmt={fmt!r} is not supported; allowed: {allowed}")
 
 
 def _apply_preset(fmt, group_size, scale_format):
-    """(group_size, scale_format) fixed by an MX preset: G=32 and E8M0 scales (OCP MX v1.0)."""
+    """(group_size, scale_format) fixed by a preset: G=32 and E8M0 scales for MX (OCP MX v1.0), G=16
+    and e4m3 group scale codes for NVFP4 (SPEC 3.4)."""
     if not (isinstance(fmt, str) and fmt in PRESETS):
         return group_size, scale_format
     _, preset_g, preset_scales = PRESETS[fmt]
@@ -292,7 +342,11 @@ def quantize(
     Args:
         x: fp32 / fp16 / bf16 tensor of any shape on any device; non-contiguous input is read
             in logical (row-major) order.
-        fmt: element format, one of ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1" "e4m7"`` (SPEC 1).
+        fmt: element format, one of ``"e4m3" "e5m2" "e3m2" "e2m3" "e2m1" "e4m7"`` (SPEC 1), or a
+            preset: ``"mxfp8_e4m3" "mxfp8_e5m2" "mxfp6_e3m2" "mxfp6_e2m3" "mxfp4"`` (G=32, E8M0
+            scales, OCP MX v1.0) or ``"nvfp4"`` (SPEC 3.4: e2m1 in groups of 16, e4m3 group scale codes
+            times the fp32 per-tensor scale ``tensor_scale``; with ``grouping="flat"`` the groups run
+            over ``numel``).
         group_size: elements per group ``G >= 1``; the last group of a row may be shorter (SPEC 2).
         grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
         scale_format: ``"fp32"`` (SPEC 3.1) or ``"e8m0"`` (SPEC 3.2, power-of-two scales stored as
@@ -306,8 +360,8 @@ def quantize(
         offset: 64-bit counter offset: use a new one per call to get fresh random words.
         block: ``(Br, Bc)`` for 2-D block scaling of a 2-D tensor (weights, DeepSeek-V3 style
             ``(128, 128)``): one scale per tile, edge tiles smaller; overrides ``group_size`` (codes are
-            laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``).
-            ``"nvfp4"`` raises ``NotImplementedError`` in this version.
+            laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``). Not with
+            ``"nvfp4"``.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -316,20 +370,22 @@ def quantize(
             saturating where they are too small) and they are stored as given.
 
     Returns:
-        :class:`QuantizedTensor` with codes packed as SPEC 6 and fp32 scales of SPEC 3.1
-        (NaN for a group with NaN/Inf in formats that have no NaN code, SPEC 3.3).
+        :class:`QuantizedTensor` with codes packed as SPEC 6 and the scales of SPEC 3.1 (fp32; NaN
+        for a group with NaN/Inf in formats that have no NaN code, SPEC 3.3), 3.2 (E8M0 bytes) or 3.4
+        (NVFP4: e4m3 codes, ``0x7F`` for a group with NaN/Inf, plus ``tensor_scale``).
 
     Raises:
         TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
-        NotImplementedError: features of later versions named above.
     """
     group_size = checks.check_int("group_size", group_size, 1)
     offset = checks.check_u64("offset", offset)
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     seed = None if seed is None else checks.check_u64("seed", seed)
     group_size, scale_format = _apply_preset(fmt, group_size, scale_format)
-    if scales is not None and scale_format != "fp32":
-        raise ValueError(f"scales= takes fp32 scales; it cannot be combined with scale_format={scale_format!r}")
+    nvfp4 = fmt == "nvfp4"
+    if scales is not None and (scale_format != "fp32" or nvfp4):
+        raise ValueError(f"scales= takes fp32 scales; it cannot be combined with fmt={fmt!r}, "
+                         f"scale_format={scale_format!r}")
     e8m0 = scale_rounding if scale_format == "e8m0" else None
     if block is not None:
         block = _check_block(block, x, grouping)
@@ -348,18 +404,22 @@ def quantize(
         stream = (draw_seed() if seed is None else seed, offset)
     # A group never spans rows, so G >= K means one group of K per row: same layout, bounded work.
     g_eff = min(group_size, max(k, 1))
-    with torch.no_grad():  # quantization is not differentiable; results never carry autograd history
+    # Not differentiable: results never carry autograd history. IEEE subnormals on every backend.
+    with torch.no_grad(), ieee_denormals():
         x2 = x.detach().resolve_neg().resolve_conj().contiguous().reshape(rows, k)
-        stored = None
+        stored = tensor_scale = zero = None
         if block is not None:
             stored, scales = _block_scales(x2, f, block, e8m0)
             scales_shape, e8m0 = tuple(stored.shape), None  # encode with the per-segment fp32 scales
+        elif nvfp4:  # group scales from two-level scaling, then the row kernels with those scales
+            stored, tensor_scale, scales, zero = _nvfp4_scales(x2, g_eff)
         if impl is backends.TORCH:
-            with ieee_denormals():
-                packed, s = _quantize_rows(x2, f, g_eff, scales, stream, e8m0)
+            packed, s = _quantize_rows(x2, f, g_eff, scales, stream, e8m0)
         else:
             seed_, offset_ = stream if stream is not None else (0, 0)
             packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
+        if zero is not None:
+            packed = _clear_groups(packed, zero, g_eff, f.bits)
     return QuantizedTensor(
         codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
         scales=(s if stored is None else stored).reshape(scales_shape),
@@ -370,6 +430,7 @@ def quantize(
         grouping=grouping,
         block=block,
         scale_format=scale_format,
+        tensor_scale=tensor_scale,
     )
 
 
@@ -381,7 +442,8 @@ def _check_quantized(qt) -> FPFormat:
     checks.check_choice("qt.grouping", qt.grouping, GROUPINGS)
     checks.check_shape("qt.shape", qt.shape)
     checks.check_float_dtype("qt.dtype", qt.dtype)
-    checks.check_choice("qt.scale_format", qt.scale_format, SCALE_FORMATS)
+    nvfp4 = qt.fmt == "nvfp4"
+    checks.check_choice("qt.scale_format", qt.scale_format, (NVFP4_SCALE_FORMAT,) if nvfp4 else SCALE_FORMATS)
     codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
     checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
     scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)
@@ -391,6 +453,14 @@ def _check_quantized(qt) -> FPFormat:
             raise ValueError(f"qt.block={qt.block!r} needs a 2-D shape and group_size == Bc; got shape "
                              f"{tuple(qt.shape)}, group_size={qt.group_size}")
         scales_shape = (-(-qt.shape[0] // br), -(-qt.shape[1] // bc))
+    if nvfp4:
+        t = qt.tensor_scale
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0:
+            raise TypeError(f"qt.tensor_scale must be a 0-d float32 tensor for fmt='nvfp4' (SPEC 3.4), got "
+                            f"{t if not isinstance(t, torch.Tensor) else f'{t.dtype} of shape {tuple(t.shape)}'}")
+        checks.check_device("qt.tensor_scale", t, qt.codes.device)
+    elif qt.tensor_scale is not None:
+        raise ValueError(f"qt.tensor_scale is only used by fmt='nvfp4'; it must be None for fmt={qt.fmt!r}")
     scale_dtype = torch.float32 if qt.scale_format == "fp32" else torch.uint8
     if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != scale_dtype:
         raise TypeError(f"qt.scales must be a {str(scale_dtype).replace('torch.', '')} tensor for "
@@ -422,18 +492,19 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     checks.check_choice("backend", backend, BACKENDS)
     rows, k = _rows_and_k(qt.shape, qt.grouping)
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
-    scales = qt.scales
-    if qt.scale_format == "e8m0":  # 2^e is exact in fp32 (SPEC 3.2), so every backend takes fp32 scales
-        scales = e8m0_decode(scales)
-    if qt.block is not None:  # each tile's scale for each of its rows
-        scales = scales.repeat_interleave(qt.block[0], dim=0)[:rows]
-    scales = scales.reshape(rows, -(-k // qt.group_size))
     impl = backends.resolve(backend, packed.device)
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize
-    with torch.no_grad():
+    with torch.no_grad(), ieee_denormals():
+        scales = qt.scales  # every backend takes one fp32 scale per group
+        if qt.scale_format == "e8m0":  # 2^e is exact in fp32 (SPEC 3.2)
+            scales = e8m0_decode(scales)
+        elif qt.fmt == "nvfp4":  # s = fl(decode(c) * t); the NaN code 0x7F gives NaN (SPEC 3.4)
+            scales = decode(scales, get_format(NVFP4_SCALE_FORMAT)) * qt.tensor_scale
+        if qt.block is not None:  # each tile's scale for each of its rows
+            scales = scales.repeat_interleave(qt.block[0], dim=0)[:rows]
+        scales = scales.reshape(rows, -(-k // qt.group_size))
         if impl is backends.TORCH:
-            with ieee_denormals():
-                y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
+            y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
         else:
             y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
     return y.reshape(qt.shape)

@@ -206,12 +206,13 @@ def format_from_deepspeed(q_bits, q_mantisa_bits) -> FPFormat:
                          f"allowed: {allowed}") from None
 
 
-#: Named presets of API.md: element format + group size + scale format (OCP MX v1.0, SPEC 3.4).
+#: Named presets of API.md: element format, group size, scale format. The MX presets have E8M0 scales
+#: (OCP MX v1.0, SPEC 3.2); NVFP4 has e4m3 group scale codes times a per-tensor fp32 scale (SPEC 3.4).
 PRESETS: Dict[str, Tuple[str, int, str]] = {
     "mxfp8_e4m3": ("e4m3", 32, "e8m0"),
     "mxfp8_e5m2": ("e5m2", 32, "e8m0"),
     "mxfp6_e3m2": ("e3m2", 32, "e8m0"),
     "mxfp6_e2m3": ("e2m3", 32, "e8m0"),
     "mxfp4": ("e2m1", 32, "e8m0"),
-    "nvfp4": ("e2m1", 16, "nvfp4"),
+    "nvfp4": ("e2m1", 16, "e4m3"),
 }

@@ -220,3 +220,37 @@ def e8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     b = byte.to(torch.int64)
     return torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000).to(torch.int32).view(torch.float32),
                        pow2(b - E8M0_BIAS))
+
+
+# ---- NVFP4 (SPEC 3.4) -----------------------------------------------------------------------------
+
+def _device_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    # A 0-d tensor on the data's device, never a Python/CPU scalar: CUDA torch turns division by a
+    # CPU scalar into a multiply by its reciprocal, which is not one IEEE division (SPEC 3.1).
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def nvfp4_tensor_scale(amax_tensor: torch.Tensor, element: FPFormat, scale_code: FPFormat) -> torch.Tensor:
+    """0-d fp32 ``t = max(fl(amax_tensor / 2688), 2^-126)``, 1 if ``amax_tensor == 0`` (SPEC 3.4).
+
+    ``2688 = 448 * 6`` is the product of the e4m3 and e2m1 maxima (``scale_code.fmax * element.fmax``).
+    """
+    t = torch.clamp_min(amax_tensor / _device_scalar(scale_code.fmax * element.fmax, amax_tensor), SCALE_FLOOR)
+    return torch.where(amax_tensor == 0, torch.ones_like(t), t)
+
+
+def nvfp4_group_scales(amax: torch.Tensor, t: torch.Tensor, element: FPFormat,
+                       scale_code: FPFormat) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Group scale codes and effective scales of SPEC 3.4.
+
+    Args:
+        amax: fp32 group amax (finite elements only), any shape.
+        t: 0-d fp32 tensor scale from :func:`nvfp4_tensor_scale`.
+
+    Returns:
+        ``(c, s)``: int32 e4m3 codes ``c = e4m3(fl(fl(amax / 6) / t))`` (RNE, saturating at 448;
+        ``amax >= 0`` so the codes are positive) and fp32 ``s = fl(decode(c) * t)``, shaped like ``amax``.
+    """
+    ratio = (amax / _device_scalar(element.fmax, amax)) / t
+    c = encode(ratio, torch.ones((), dtype=torch.float32, device=amax.device), scale_code)
+    return c, decode(c, scale_code) * t

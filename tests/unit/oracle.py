@@ -182,3 +182,35 @@ def fp16_all_patterns() -> torch.Tensor:
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+def quantize_nvfp4_rows(x: np.ndarray, g: int = 16):
+    """Oracle of SPEC 3.4 (NVFP4) on float32 ``(R, K)`` in groups of ``g``: (packed bytes, e4m3 group
+    scale codes ``(R, ceil(K/g))``, tensor scale t (np.float32), dequantized float32 ``(R, K)``).
+
+    A group whose effective scale ``s`` is 0, or so small that ``fl(1/s)`` overflows, gets all codes 0.
+    """
+    rows, k = x.shape
+    n = -(-k // g)
+    padded = np.zeros((rows, n * g), dtype=np.float32)
+    padded[:, :k] = x
+    groups = padded.reshape(rows, n, g)
+    finite = np.isfinite(groups)
+    amax = np.where(finite, np.abs(groups), np.float32(0)).max(axis=-1).astype(np.float32)
+    amax_t = np.float32(amax.max()) if amax.size else np.float32(0)
+    t = np.float32(1.0) if amax_t == 0 else max(np.float32(amax_t / np.float32(448.0 * 6.0)), np.float32(2.0**-126))
+    ratio = ((amax / np.float32(6.0)).astype(np.float32) / t).astype(np.float32)
+    c = cast_codes(ratio, "e4m3")
+    # decode(c) has 4 significant bits and t 24: the float64 product is exact, then one RNE to fp32
+    s = (code_values("e4m3")[c] * np.float64(t)).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        zero = ~np.isfinite(np.float32(1.0) / s)
+    codes = encode(groups, np.where(zero, np.float32(1.0), s)[..., None], "e2m1")
+    codes = np.where(zero[..., None], 0, codes).reshape(rows, n * g)[:, :k]
+    stored = np.where(finite.all(axis=-1), c, 0x7F).astype(np.uint8)
+    s_deq = (code_values("e4m3")[stored] * np.float64(t)).astype(np.float32)
+    packed = b"".join(b"".join(pack_group(row[j:j + g], "e2m1") for j in range(0, k, g)) for row in codes)
+    packed = np.frombuffer(packed, dtype=np.uint8).reshape(rows, -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        deq = (code_values("e2m1")[codes].astype(np.float32) * np.repeat(s_deq, g, axis=1)[:, :k]).astype(np.float32)
+    return packed, stored, np.float32(t), deq

@@ -110,5 +110,3 @@ def test_preset_conflicts_are_errors():
         fpq.quantize(x, "mxfp4", 64)
     with pytest.raises(ValueError, match="scales= takes fp32 scales"):
         fpq.quantize(x, "e4m3", 32, scale_format="e8m0", scales=torch.ones(2))
-    with pytest.raises(NotImplementedError, match="nvfp4"):
-        fpq.quantize(x, "nvfp4")

@@ -46,14 +46,6 @@ def test_not_a_tensor():
         fpq.quantize([1.0, 2.0])
 
 
-@pytest.mark.parametrize("kwargs,feature", [
-    (dict(fmt="nvfp4"), "nvfp4"),
-])
-def test_later_features_raise_not_implemented(kwargs, feature):
-    with pytest.raises(NotImplementedError, match=feature):
-        fpq.quantize(X, **kwargs)
-
-
 def test_dequantize_bad_arguments():
     qt = fpq.quantize(X, "e2m1", 16, backend="torch")
     with pytest.raises(TypeError, match="qt must be a ds_fpquant.QuantizedTensor"):
