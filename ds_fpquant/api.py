@@ -67,8 +67,9 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes plus scales."""
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+        """Bytes of codes plus scales (plus the NVFP4 tensor scale)."""
+        tensors = (self.codes, self.scales) + (() if self.tensor_scale is None else (self.tensor_scale,))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
         """Same as :func:`dequantize` (``dequantize(self, dtype)``)."""

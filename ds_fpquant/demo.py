@@ -30,7 +30,7 @@ from .formats import FORMATS, PRESETS
 
 #: Table rows: every element format at --group-size, two MX presets (G=32, E8M0 scales) and
 #: DeepSeek-V3-style 128x128 block scaling.
-DEFAULT_ROWS = (*FORMATS, "mxfp8_e4m3", "mxfp4", "e4m3/128x128")
+DEFAULT_ROWS = (*FORMATS, "mxfp8_e4m3", "mxfp4", "nvfp4", "e4m3/128x128")
 #: Sentences embedded by default.
 DEFAULT_SENTENCES = 300
 #: Leading docstring paragraphs read per module.
@@ -119,7 +119,10 @@ class Row:
 
 
 def _section(fmt: str, group_size: int) -> dict:
-    """The ``fp_quantization`` section of one table row. ``"e4m3/128x128"`` means 2-D blocks."""
+    """The ``fp_quantization`` section of one table row. ``"e4m3/128x128"`` means 2-D blocks; a
+    preset brings its own group size."""
+    if fmt in PRESETS:
+        return {"fmt": fmt}
     if "/" in fmt:
         element, block = fmt.split("/")
         return {"fmt": element, "block": [int(v) for v in block.split("x")]}
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fmt", nargs="+", default=list(DEFAULT_ROWS), choices=list(DEFAULT_ROWS) + ["mxfp8_e5m2",
                                                                                                   "mxfp6_e3m2",
                                                                                                   "mxfp6_e2m3"],
-                        help="table rows: element formats, MX presets, e4m3/128x128 for 2-D blocks (default: all these)")
+                        help="table rows: element formats, MX presets, nvfp4, e4m3/128x128 for 2-D blocks (default: all these)")
     parser.add_argument("--group-size", type=int, default=128, help="elements per scale group (default 128)")
     parser.add_argument("--sentences", type=int, default=DEFAULT_SENTENCES, help="sentences to embed")
     args = parser.parse_args(argv)

@@ -2,8 +2,9 @@
 
 The weight is dequantized on the fly in ``forward`` (SPEC 5) to ``compute_dtype`` (default: the
 activation's dtype). Codes are a ``uint8`` buffer; the scales are kept as bytes in a ``uint8``
-buffer (fp32 scales as their little-endian bytes, SPEC 6.1; E8M0 scales as they are), so
-``model.half()`` / ``.to(dtype)`` cannot round them.
+buffer (fp32 scales as their little-endian bytes, SPEC 6.1; E8M0 bytes and NVFP4 e4m3 codes as
+they are; the NVFP4 fp32 tensor scale as its 4 bytes), so ``model.half()`` / ``.to(dtype)`` cannot
+round them.
 """
 
 from __future__ import annotations
@@ -20,11 +21,30 @@ __all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized
 COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _register_weight_buffers(module: torch.nn.Module, qt: QuantizedTensor) -> None:
+    """``weight_codes``, ``weight_scales`` (bytes) and, for NVFP4, ``weight_tensor_scale`` (4 bytes)."""
+    module.register_buffer("weight_codes", qt.codes)
+    module.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
+    if qt.tensor_scale is not None:
+        module.register_buffer("weight_tensor_scale", qt.tensor_scale.reshape(1).view(torch.uint8))
+
+
+def _weight_view(module: torch.nn.Module, shape, dtype, fmt, group_size, scale_format, block) -> QuantizedTensor:
+    """The weight buffers of ``module`` as a :class:`QuantizedTensor` (views, no copies)."""
+    scales = module.weight_scales.view(torch.float32) if scale_format == "fp32" else module.weight_scales
+    t = getattr(module, "weight_tensor_scale", None)
+    return QuantizedTensor(codes=module.weight_codes, scales=scales, shape=torch.Size(shape), dtype=dtype, fmt=fmt,
+                           group_size=group_size, scale_format=scale_format, block=block,
+                           tensor_scale=None if t is None else t.view(torch.float32).reshape(()))
+
+
 class FPQuantizedLinear(torch.nn.Module):
     """Linear layer with an FP-quantized weight (row grouping along ``in_features``).
 
-    Build it with :meth:`from_linear`. Buffers: ``weight_codes`` (uint8, ``(out, row_bytes)``) and
-    ``weight_scales`` (uint8, the fp32 scales' bytes); ``bias`` stays a floating parameter.
+    Build it with :meth:`from_linear` (or from a :class:`QuantizedTensor` of the ``(out, in)`` weight).
+    Buffers: ``weight_codes`` (uint8, ``(out, row_bytes)``), ``weight_scales`` (uint8: the fp32
+    scales' bytes, or the E8M0 / e4m3 scale bytes) and, for NVFP4, ``weight_tensor_scale`` (uint8, the
+    fp32 tensor scale's 4 bytes); ``bias`` stays a floating parameter.
     """
 
     def __init__(self, qt: QuantizedTensor, bias: Optional[torch.Tensor], compute_dtype: Optional[str] = None,
@@ -37,8 +57,7 @@ class FPQuantizedLinear(torch.nn.Module):
         self.scale_format, self.block = qt.scale_format, qt.block
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype] if compute_dtype else None
         self.backend = backend
-        self.register_buffer("weight_codes", qt.codes)
-        self.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
+        _register_weight_buffers(self, qt)
         self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
 
     @classmethod
@@ -54,19 +73,16 @@ class FPQuantizedLinear(torch.nn.Module):
     @property
     def quantized_weight(self) -> QuantizedTensor:
         """The weight as a :class:`QuantizedTensor` (views of the buffers)."""
-        scales = self.weight_scales.view(torch.float32) if self.scale_format == "fp32" else self.weight_scales
-        return QuantizedTensor(codes=self.weight_codes, scales=scales,
-                               shape=torch.Size((self.out_features, self.in_features)), dtype=self.orig_dtype,
-                               fmt=self.fmt, group_size=self.group_size, scale_format=self.scale_format,
-                               block=self.block)
+        return _weight_view(self, (self.out_features, self.in_features), self.orig_dtype, self.fmt, self.group_size,
+                            self.scale_format, self.block)
 
     def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return self.quantized_weight.dequantize(dtype or self.orig_dtype, backend=self.backend)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored weight (codes + scales)."""
-        return self.weight_codes.numel() + self.weight_scales.numel()  # both uint8
+        """Bytes of the stored weight (codes + scales + NVFP4 tensor scale), all uint8 buffers."""
+        return sum(b.numel() for n, b in self.named_buffers() if n.startswith("weight_"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
@@ -114,8 +130,7 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         raise ValueError(f"{type(module).__name__}.weight must be a 2-D tensor to be quantized")
     qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
     del module._parameters["weight"]
-    module.register_buffer("weight_codes", qt.codes)
-    module.register_buffer("weight_scales", qt.scales.contiguous().view(torch.uint8))
+    _register_weight_buffers(module, qt)
     module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
                               scale_format=qt.scale_format, block=qt.block,
                               compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
@@ -125,10 +140,8 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         meta = mod._fpq_weight
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
-        scales = mod.weight_scales.view(torch.float32) if meta["scale_format"] == "fp32" else mod.weight_scales
-        view = QuantizedTensor(codes=mod.weight_codes, scales=scales, shape=meta["shape"], dtype=meta["dtype"],
-                               fmt=meta["fmt"], group_size=meta["group_size"], scale_format=meta["scale_format"],
-                               block=meta["block"])
+        view = _weight_view(mod, meta["shape"], meta["dtype"], meta["fmt"], meta["group_size"], meta["scale_format"],
+                            meta["block"])
         mod.weight = view.dequantize(dtype, backend=meta["backend"])
 
     def release(mod, args, output):
@@ -136,4 +149,4 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
 
     module.register_forward_pre_hook(materialize)
     module.register_forward_hook(release)
-    return qt.codes.numel() + qt.scales.numel() * qt.scales.element_size()
+    return qt.nbytes

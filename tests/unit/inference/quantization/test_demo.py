@@ -42,3 +42,12 @@ def test_cli_rejects_bad_arguments():
     assert out.returncode == 2 and "--group-size must be >= 1" in out.stderr
     out = subprocess.run([sys.executable, "-m", "ds_fpquant", "nope"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_demo_preset_rows_keep_their_group_size():
+    rows = demo.run(["nvfp4", "mxfp4"], group_size=64, sentences=32)  # --group-size does not apply to presets
+    nvfp4, mxfp4 = rows
+    assert (nvfp4.fmt, nvfp4.group_size, mxfp4.group_size) == ("nvfp4", "16", "32")
+    # e2m1 codes: half a byte per weight, plus one e4m3 byte per 16 weights (and 4 bytes per linear)
+    assert nvfp4.bytes_before / nvfp4.bytes_after == pytest.approx(4 / (0.5 + 1 / 16), rel=1e-3)
+    assert nvfp4.mean_cos > 0.9

@@ -152,3 +152,32 @@ def test_block_scaling_in_config(gpt2):
     expected = fpq.quantize(gpt2.transformer.h[1].mlp.c_fc.weight.detach().t(), "e4m3", block=(32, 32))
     assert torch.equal(layer.dequantized_weight(), expected.dequantize())
     assert torch.isfinite(model(torch.randint(0, 100, (1, 5))).logits).all()
+
+
+def test_nvfp4_in_config_and_state_dict(gpt2):
+    model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "nvfp4"}})
+    layer = model.transformer.h[0].mlp.c_fc
+    expected = fpq.quantize(gpt2.transformer.h[0].mlp.c_fc.weight.detach().t(), "nvfp4")
+    assert (layer.fmt, layer.group_size, layer.scale_format) == ("nvfp4", 16, "e4m3")
+    assert torch.equal(layer.quantized_weight.tensor_scale, expected.tensor_scale)
+    assert torch.equal(layer.dequantized_weight(), expected.dequantize())
+    assert layer.nbytes == expected.nbytes == expected.codes.numel() + expected.scales.numel() + 4
+    ids = torch.randint(0, 100, (1, 7))
+    out = model(ids).logits
+    fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "nvfp4"}})
+    fresh.transformer.h[0].mlp.c_fc.weight_tensor_scale.zero_()
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh(ids).logits, out)
+    model.half()  # the scale bytes are uint8 buffers: nothing to round
+    assert torch.equal(layer.quantized_weight.tensor_scale, expected.tensor_scale)
+    assert torch.equal(layer.dequantized_weight(torch.float32), expected.dequantize())
+
+
+def test_nvfp4_autotp_style_in_place():
+    from ds_fpquant.module import quantize_weight_in_place
+    layer = torch.nn.Linear(48, 8)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(3, 48)
+    quantize_weight_in_place(layer, "nvfp4")
+    expected = fpq.quantize(weight, "nvfp4").dequantize()
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, expected, layer.bias))
