@@ -1,4 +1,4 @@
-"""``ds-fpquant`` command line (API.md): ``demo`` (the main job), ``bench`` and ``report``."""
+"""``ds-fpquant`` command line (API.md): ``demo`` (the main job), ``bench``, ``report`` and ``quantize``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
             "inference and print an accuracy table",
     "bench": "quantize/dequantize throughput with ratios against baselines measured in the same run",
     "report": "DeepSpeed's op report with the ds_fpquant ops added (--build: build and self-test them)",
+    "quantize": "quantize a Hugging Face checkpoint (SRC DST) into an FP8/FP6/FP4 checkpoint",
 }
 
 
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     if args.command == "report":
         from . import report
         return report.main(argv[1:])
+    if args.command == "quantize":
+        from . import checkpoint
+        return checkpoint.main(argv[1:])
     return 2  # unreachable: argparse rejects unknown commands
 
 

