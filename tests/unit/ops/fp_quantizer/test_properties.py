@@ -76,6 +76,24 @@ def test_backends_agree(backend, case):
         assert _same(got.dequantize(dtype, backend=backend).cpu(), ref.dequantize(dtype, backend="torch"))
 
 
+@pytest.mark.parametrize("backend", COMPILED)
+@given(case=cases(), preset=st.sampled_from(list(fpq.PRESETS)))
+def test_presets_backends_agree(backend, case, preset):
+    """MX presets and NVFP4 (whose tensor scale couples all groups): same bits on every backend."""
+    x, _, _, grouping, kwargs = case
+    if load_op(backend)[0] is None:
+        pytest.skip(f"no compiled {backend} op")
+    device = "cuda" if backend == "cuda" else "cpu"
+    ref = fpq.quantize(x, preset, grouping=grouping, backend="torch", **kwargs)
+    got = fpq.quantize(x.to(device), preset, grouping=grouping, backend=backend, **kwargs)
+    assert torch.equal(got.codes.cpu(), ref.codes) and torch.equal(got.scales.cpu(), ref.scales)
+    assert (got.tensor_scale is None) == (ref.tensor_scale is None) == (preset != "nvfp4")
+    if ref.tensor_scale is not None:
+        assert torch.equal(got.tensor_scale.cpu(), ref.tensor_scale)
+    for dtype in DTYPES:
+        assert _same(got.dequantize(dtype, backend=backend).cpu(), ref.dequantize(dtype, backend="torch"))
+
+
 def _step(v: np.ndarray, f) -> np.ndarray:
     """The format's spacing at |v| (v already divided by the scale)."""
     with np.errstate(divide="ignore"):
