@@ -109,7 +109,8 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     checks.check_tensor("x", x)
     f = element_format(fmt)
     checks.check_choice("grouping", grouping, GROUPINGS)
-    checks.check_choice("scale_format", scale_format, SCALE_FORMATS)
+    checks.check_choice("scale_format", scale_format,
+                        (*SCALE_FORMATS, NVFP4_SCALE_FORMAT) if fmt == "nvfp4" else SCALE_FORMATS)
     checks.check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
     checks.check_choice("rounding", rounding, ROUNDINGS)
     checks.check_choice("backend", backend, BACKENDS)
@@ -119,9 +120,10 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     if scale_rounding != "ceil" and scale_format != "e8m0" and not e8m0_preset:
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got fmt={fmt!r}, scale_format={scale_format!r}); leave it at 'ceil'")
-    if fmt == "nvfp4" and block is not None:
-        raise ValueError(f"fmt='nvfp4' fixes groups of 16 along the last dim (SPEC 3.4); block={block!r} "
-                         f"cannot be combined with it")
+    if fmt in PRESETS and block is not None:
+        source = "SPEC 3.4" if fmt == "nvfp4" else "OCP MX v1.0"
+        raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim ({source}); "
+                         f"block={block!r} cannot be combined with it")
     if backend in ("cpu", "cuda") and x.device.type != backend:
         raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
     if block is not None:
@@ -445,6 +447,11 @@ def _check_quantized(qt) -> FPFormat:
     checks.check_float_dtype("qt.dtype", qt.dtype)
     nvfp4 = qt.fmt == "nvfp4"
     checks.check_choice("qt.scale_format", qt.scale_format, (NVFP4_SCALE_FORMAT,) if nvfp4 else SCALE_FORMATS)
+    if qt.fmt in PRESETS:
+        _, preset_g, preset_scales = PRESETS[qt.fmt]
+        if (qt.group_size, qt.scale_format, qt.block) != (preset_g, preset_scales, None):
+            raise ValueError(f"fmt={qt.fmt!r} means group_size={preset_g}, scale_format={preset_scales!r}, no block; "
+                             f"qt has group_size={qt.group_size}, scale_format={qt.scale_format!r}, block={qt.block!r}")
     codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
     checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
     scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)

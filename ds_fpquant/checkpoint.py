@@ -50,11 +50,37 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 # ---- reading a model directory ------------------------------------------------------------------
 
 
+def _model_dir(path, name: str) -> Path:
+    """``path`` as a Hugging Face model directory (with ``config.json``), or ``ValueError``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike directory, got {type(path).__name__}")
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise ValueError(f"{name}={str(path)!r} is not a Hugging Face model directory (no {CONFIG})")
+    return path
+
+
+def _read_config(directory: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{str(directory / CONFIG)!r} could not be read by transformers: {exc}") from None
+
+
 def _shard_files(directory: Path) -> List[Path]:
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in dict.fromkeys(weight_map.values())]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{str(index)!r} is not a safetensors index (no valid weight_map): {exc}") from None
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ValueError(f"{str(index)!r} names shards that are not there: {missing}")
+        return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{str(directory)!r} holds no .safetensors weights (found: "
@@ -63,16 +89,20 @@ def _shard_files(directory: Path) -> List[Path]:
     return files
 
 
-def _tensor_keys(files: Sequence[Path]) -> Dict[str, Path]:
-    """Every tensor name -> its file (headers only)."""
+def _tensor_headers(files: Sequence[Path]) -> Dict[str, str]:
+    """Every tensor name -> its safetensors dtype (``"F32"``, ``"F8_E4M3"``, ``"U8"``, ...), from the
+    file headers only."""
     from safetensors import safe_open
 
-    keys = {}
+    headers = {}
     for path in files:
-        with safe_open(path, framework="pt") as fh:
-            for key in fh.keys():
-                keys[key] = path
-    return keys
+        try:
+            with safe_open(path, framework="pt") as fh:
+                for key in fh.keys():
+                    headers[key] = fh.get_slice(key).get_dtype()
+        except Exception as exc:  # safetensors raises its own SafetensorError for a damaged file
+            raise ValueError(f"{str(path)!r} is not a readable safetensors file: {exc}") from None
+    return headers
 
 
 def _iter_tensors(files: Sequence[Path]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -90,11 +120,18 @@ def _model_class(config, model_class=None):
 
     if model_class is not None:
         return model_class
-    for name in getattr(config, "architectures", None) or ():
+    names = getattr(config, "architectures", None) or ()
+    for name in names:
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    return transformers.AutoModel._model_mapping[type(config)]
+    if names:
+        raise ValueError(f"config.json names architectures={list(names)}, which this transformers "
+                         f"({transformers.__version__}) does not have; pass model_class=")
+    try:
+        return transformers.AutoModel._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"no transformers model class for {type(config).__name__}; pass model_class=") from None
 
 
 def _meta_model(config, model_class=None) -> torch.nn.Module:
@@ -172,22 +209,41 @@ class _ShardWriter:
 
 
 def _settings(fmt: str, block, group_size, scale_format: str, exclude: Sequence[str]):
-    """The :class:`~ds_fpquant.config.FPQuantizationConfig` of a checkpoint run, and its layout."""
+    """The :class:`~ds_fpquant.config.FPQuantizationConfig` of a checkpoint run, its layout name and
+    the ``quantization_config`` fields that describe the codes; ``ValueError``/``TypeError`` for bad
+    arguments."""
+    from . import checks
+    from .api import _check_block
     from .config import DEFAULT_EXCLUDE, FPQuantizationConfig
 
+    if block is not None:
+        block = _check_block(block, None, "row")
+    if group_size is not None:
+        group_size = checks.check_int("group_size", group_size, 1)
     if block is not None and group_size is not None:
-        raise ValueError(f"give block={tuple(block)} or group_size={group_size}, not both")
+        raise ValueError(f"give block={block} or group_size={group_size}, not both")
+    if isinstance(exclude, (str, bytes)) or not all(isinstance(p, str) for p in exclude):
+        raise TypeError(f"exclude must be a list of regular expressions (str), got {exclude!r}")
+    for pattern in exclude:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"exclude pattern {pattern!r} is not a valid regular expression: {exc}") from None
     fp8 = fmt in FP8_DTYPES and scale_format == "fp32"
     if block is None and fmt in FORMATS:
         # the FP8 layout stores row groups as [1, G] blocks; other formats keep row grouping
         block = DEFAULT_BLOCK if group_size is None else ((1, group_size) if fp8 else None)
-    config = FPQuantizationConfig(fmt=fmt, group_size=group_size or 128, block=block, scale_format=scale_format,
+    probe = quantize(torch.zeros(2, 2), fmt, group_size or 128, block=block, scale_format=scale_format,
+                     backend="torch")  # every other argument error, before any file is touched
+    config = FPQuantizationConfig(fmt=fmt, group_size=probe.group_size, block=block, scale_format=scale_format,
                                   exclude=[*DEFAULT_EXCLUDE, *exclude])
-    probe = quantize(torch.zeros(2, 2), fmt, config.group_size, block=config.block, scale_format=scale_format,
-                     backend="torch")  # argument errors before any file is touched
     layout = {"fmt": fmt, "group_size": probe.group_size, "weight_block_size": list(block) if block else None,
               "scale_format": probe.scale_format}
     return config, FP8_METHOD if fp8 else OWN_METHOD, layout
+
+
+#: safetensors dtypes of the weights that can be quantized (fp32 / fp16 / bf16, SPEC 2).
+QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
@@ -221,68 +277,87 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         ValueError, TypeError: bad arguments, a missing or already-quantized ``src``, a non-empty ``dst``.
     """
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
-    src, dst = Path(src), Path(dst)
-    if not (src / CONFIG).is_file():
-        raise ValueError(f"src={str(src)!r} is not a Hugging Face model directory (no {CONFIG})")
+    from . import checks
+    from .api import BACKENDS
+
+    src = _model_dir(src, "src")
+    if not isinstance(dst, (str, os.PathLike)):
+        raise TypeError(f"dst must be a str or os.PathLike directory, got {type(dst).__name__}")
+    dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"dst={str(dst)!r} exists and is not an empty directory; choose a new one")
-    if dst.resolve() == src.resolve():
-        raise ValueError("dst must differ from src")
-    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise ValueError(f"dst={str(dst)!r} must be outside src={str(src)!r}")
+    max_shard_bytes = checks.check_int("max_shard_bytes", max_shard_bytes, 1)
+    checks.check_choice("backend", backend, BACKENDS)
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ValueError("backend='cuda' needs a CUDA device; none is available here (use 'auto' or 'cpu')")
     config, method, layout = _settings(fmt, block, group_size, scale_format, exclude)
-    hf_config = AutoConfig.from_pretrained(src)
+    hf_config = _read_config(src)
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"src={str(src)!r} is already quantized: quantization_config="
                          f"{hf_config.quantization_config}")
     files = _shard_files(src)
-    keys = _tensor_keys(files)
+    headers = _tensor_headers(files)
     meta = _meta_model(hf_config)
     linears, prefix = _linear_modules(meta), getattr(meta, "base_model_prefix", "")
+    stored = {name: key for key in headers if (name := _module_name(key, ".weight", linears, prefix)) is not None}
+    plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
+    bad = {key: headers[key] for key in plan if headers[key] not in QUANTIZABLE_DTYPES}
+    if bad:
+        raise ValueError(f"these linear weights cannot be quantized (dtypes {', '.join(QUANTIZABLE_DTYPES)} only): "
+                         f"{bad}; exclude them with exclude=[...]")
+    # linears whose weight is not in the files (tied to the embeddings) or that are excluded stay as they are
+    not_converted = [name for name in linears if name not in plan.values()]
     device = "cuda" if backend == "cuda" else "cpu"
 
+    created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(dst, max_shard_bytes)
-    quantized, not_converted, dtypes = [], [], Counter()
-    bytes_before = bytes_after = 0
-    for key, tensor in tqdm(_iter_tensors(files), total=len(keys), desc="quantize", unit="tensor", disable=not progress):
-        name = _module_name(key, ".weight", linears, prefix)
-        settings = config.settings_for(name) if name is not None and tensor.dim() == 2 else None
-        if settings is None:
-            if name is not None:
-                not_converted.append(name)
-            writer.add(key, tensor)
-            continue
-        weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
-        qt = quantize(weight.to(device), **settings, backend=backend)
-        base = key[:-len(".weight")]
+    try:
+        writer = _ShardWriter(dst, max_shard_bytes)
+        dtypes: Counter = Counter()
+        bytes_before = bytes_after = 0
+        for key, tensor in tqdm(_iter_tensors(files), total=len(headers), desc="quantize", unit="tensor",
+                                disable=not progress):
+            name = plan.get(key)
+            if name is None:
+                writer.add(key, tensor)
+                continue
+            weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
+            qt = quantize(weight.to(device), **config.settings_for(name), backend=backend)
+            base = key[:-len(".weight")]
+            if method == FP8_METHOD:
+                parts = {key: qt.codes.view(FP8_DTYPES[fmt]), f"{base}.weight_scale_inv": qt.scales}
+            else:
+                scales = qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales
+                parts = {key: qt.codes, f"{base}.weight_scale": scales}
+                if qt.tensor_scale is not None:
+                    parts[f"{base}.weight_scale_2"] = qt.tensor_scale
+            for part_key, part in parts.items():
+                writer.add(part_key, part.cpu())
+            dtypes[str(tensor.dtype).replace("torch.", "")] += 1
+            bytes_before += tensor.numel() * tensor.element_size()
+            bytes_after += qt.nbytes
+        shards = writer.close()
+        qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
         if method == FP8_METHOD:
-            parts = {key: qt.codes.view(FP8_DTYPES[fmt]), f"{base}.weight_scale_inv": qt.scales}
+            qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
         else:
-            scales = qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales
-            parts = {key: qt.codes, f"{base}.weight_scale": scales}
-            if qt.tensor_scale is not None:
-                parts[f"{base}.weight_scale_2"] = qt.tensor_scale
-        for part_key, part in parts.items():
-            writer.add(part_key, part.cpu())
-        quantized.append(name)
-        dtypes[str(tensor.dtype).replace("torch.", "")] += 1
-        bytes_before += tensor.numel() * tensor.element_size()
-        bytes_after += qt.nbytes
-    shards = writer.close()
-
-    qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
-    if method == FP8_METHOD:
-        qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
-    else:
-        qconfig.update(layout, codes="uint8, SPEC 6 row packing")
-    qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
-                   ds_fpquant={"version": __version__, "transposed": [n for n in quantized if linears[n]],
-                               "weight_dtype": dtypes.most_common(1)[0][0] if dtypes else "float32"})
-    skipped = _copy_other_files(src, dst, qconfig)
-    return {"quantized": len(quantized), "copied": len(keys) - len(quantized), "bytes_before": bytes_before,
+            qconfig.update(layout, codes="uint8, SPEC 6 row packing")
+        quantized = list(plan.values())
+        qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
+                       ds_fpquant={"version": __version__, "transposed": [n for n in quantized if linears[n]],
+                                   "weight_dtype": dtypes.most_common(1)[0][0] if dtypes else "float32"})
+        skipped = _copy_other_files(src, dst, qconfig)
+    except BaseException:  # leave no half-written checkpoint behind
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        else:
+            for child in dst.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+        raise
+    return {"quantized": len(quantized), "copied": len(headers) - len(quantized), "bytes_before": bytes_before,
             "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "quantization_config": qconfig}
 
 
@@ -312,30 +387,103 @@ def _copy_other_files(src: Path, dst: Path, qconfig: Dict[str, Any]) -> List[str
 # ---- load_quantized -------------------------------------------------------------------------------
 
 
-def _quantized_tensor(parts: Dict[str, torch.Tensor], shape, qconfig: Dict[str, Any], dtype: torch.dtype):
-    """The :class:`QuantizedTensor` of one weight from its checkpoint tensors (either layout)."""
+def _pair(value) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value))
+
+
+def _check_qconfig(qconfig, path: Path) -> Dict[str, Any]:
+    """The ``quantization_config`` of a checkpoint, checked field by field (``ValueError``)."""
+    where = f"{str(path / CONFIG)!r}: quantization_config"
+    if not isinstance(qconfig, dict) or qconfig.get("quant_method") not in (FP8_METHOD, OWN_METHOD):
+        raise ValueError(f"{where}={qconfig!r}; expected quant_method {FP8_METHOD!r} or {OWN_METHOD!r} "
+                         f"(write one with `ds-fpquant quantize`)")
+    block = qconfig.get("weight_block_size")
+    if qconfig["quant_method"] == FP8_METHOD:
+        if block is None:
+            raise ValueError(f"{where} has no weight_block_size: per-tensor FP8 checkpoints are not supported; "
+                             f"ds_fpquant reads block-FP8 checkpoints")
+    else:
+        if qconfig.get("fmt") not in (*FORMATS, *PRESETS):
+            raise ValueError(f"{where}.fmt={qconfig.get('fmt')!r}; allowed: {', '.join([*FORMATS, *PRESETS])}")
+        group_size = qconfig.get("group_size")
+        if not (isinstance(group_size, int) and not isinstance(group_size, bool) and group_size >= 1):
+            raise ValueError(f"{where}.group_size={group_size!r} must be an int >= 1")
+        if qconfig.get("scale_format") not in ("fp32", "e8m0", "e4m3"):
+            raise ValueError(f"{where}.scale_format={qconfig.get('scale_format')!r}; allowed: fp32, e8m0, e4m3")
+    if block is not None and not _pair(block):
+        raise ValueError(f"{where}.weight_block_size={block!r} must be [Br, Bc], two ints >= 1")
+    own = qconfig.get("ds_fpquant") or {}
+    if not isinstance(own, dict):
+        raise ValueError(f"{where}.ds_fpquant={own!r} must be an object")
+    if own.get("weight_dtype", "float32") not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"{where}.ds_fpquant.weight_dtype={own.get('weight_dtype')!r}; allowed: float32, "
+                         f"float16, bfloat16")
+    transposed = own.get("transposed", [])
+    if not isinstance(transposed, list) or not all(isinstance(n, str) for n in transposed):
+        raise ValueError(f"{where}.ds_fpquant.transposed={transposed!r} must be a list of module names")
+    return own
+
+
+#: The tensors of one quantized weight in each layout (besides ``weight``); NVFP4 adds ``weight_scale_2``.
+REQUIRED_PARTS = {FP8_METHOD: ("weight", "weight_scale_inv"), OWN_METHOD: ("weight", "weight_scale")}
+
+
+def _quantized_tensor(name: str, parts: Dict[str, torch.Tensor], shape, qconfig: Dict[str, Any], dtype: torch.dtype):
+    """The checked :class:`QuantizedTensor` of the weight of module ``name`` from its checkpoint tensors."""
     from .api import QuantizedTensor
 
+    method = qconfig["quant_method"]
+    required = REQUIRED_PARTS[method] + (("weight_scale_2",) if qconfig.get("fmt") == "nvfp4" else ())
+    missing = [f"{name}.{p}" for p in required if p not in parts]
+    extra = [f"{name}.{p}" for p in parts if p not in required]
+    if missing or extra:
+        raise ValueError(f"{name}: a {method!r} weight has the tensors {', '.join(required)}; "
+                         f"missing: {missing}, unexpected: {extra}")
     weight = parts["weight"]
-    if qconfig["quant_method"] == FP8_METHOD:
+    if method == FP8_METHOD:
         fmts = {v: k for k, v in FP8_DTYPES.items()}
-        if weight.dtype not in fmts or "weight_scale_inv" not in parts:
-            raise ValueError(f"a quant_method='fp8' weight must be float8_e4m3fn/float8_e5m2 with a weight_scale_inv; "
-                             f"got {weight.dtype} and {sorted(parts)}")
-        br, bc = qconfig.get("weight_block_size") or (None, None)
-        if br is None:
-            raise ValueError("quant_method='fp8' checkpoints without weight_block_size (per-tensor scales) are not "
-                             "supported; ds_fpquant reads block-FP8 checkpoints")
-        return QuantizedTensor(codes=weight.view(torch.uint8), scales=parts["weight_scale_inv"].to(torch.float32),
-                               shape=torch.Size(shape), dtype=dtype, fmt=fmts[weight.dtype], group_size=bc,
-                               block=(br, bc))
-    block = qconfig.get("weight_block_size")
-    scales = parts["weight_scale"]
-    return QuantizedTensor(codes=weight, scales=scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales,
-                           shape=torch.Size(shape), dtype=dtype, fmt=qconfig["fmt"],
-                           group_size=block[1] if block else qconfig["group_size"],
-                           block=tuple(block) if block else None, scale_format=qconfig["scale_format"],
-                           tensor_scale=parts.get("weight_scale_2"))
+        scales = parts["weight_scale_inv"]
+        if weight.dtype not in fmts or scales.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: a quant_method='fp8' weight is float8_e4m3fn/float8_e5m2 with a floating "
+                             f"weight_scale_inv; got {weight.dtype} and {scales.dtype}")
+        br, bc = qconfig["weight_block_size"]
+        qt = QuantizedTensor(codes=weight.view(torch.uint8), scales=scales.to(torch.float32),  # exact widening
+                             shape=torch.Size(shape), dtype=dtype, fmt=fmts[weight.dtype], group_size=bc,
+                             block=(br, bc))
+    else:
+        block = qconfig.get("weight_block_size")
+        scales = parts["weight_scale"]
+        if qconfig["fmt"] == "nvfp4" and scales.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}.weight_scale: NVFP4 group scales are float8_e4m3fn, got {scales.dtype}")
+        qt = QuantizedTensor(codes=weight, scales=scales.view(torch.uint8) if qconfig["fmt"] == "nvfp4" else scales,
+                             shape=torch.Size(shape), dtype=dtype, fmt=qconfig["fmt"],
+                             group_size=block[1] if block else qconfig["group_size"],
+                             block=tuple(block) if block else None, scale_format=qconfig["scale_format"],
+                             tensor_scale=parts.get("weight_scale_2"))
+    try:
+        _check_quantized(qt)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+    _check_scale_values(name, qt)
+    return qt
+
+
+def _check_scale_values(name: str, qt) -> None:
+    """Stored scales must be what SPEC 3 can produce: fp32 scales positive (NaN marks a faulty group),
+    NVFP4 scale codes non-negative and a finite tensor scale >= 2^-126; E8M0 bytes are all valid."""
+    if qt.scale_format == "fp32":
+        bad = ~(torch.isnan(qt.scales) | ((qt.scales > 0) & torch.isfinite(qt.scales)))
+        if bool(bad.any()):
+            raise ValueError(f"{name}: scales must be finite and > 0 (or NaN for a faulty group, SPEC 3.3); "
+                             f"found {qt.scales[bad].reshape(-1)[0].item()!r}")
+    if qt.tensor_scale is not None:
+        if bool((qt.scales >= 0x80).any()):
+            raise ValueError(f"{name}.weight_scale: NVFP4 group scale codes are non-negative e4m3 (SPEC 3.4); "
+                             f"found a negative one")
+        t = qt.tensor_scale.item()
+        if not (math.isfinite(t) and t >= 2.0**-126):
+            raise ValueError(f"{name}.weight_scale_2={t!r}: the NVFP4 tensor scale is finite and >= 2^-126 (SPEC 3.4)")
 
 
 def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dtype: Optional[str] = None):
@@ -356,29 +504,28 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
         the model on the CPU in eval mode (move it with ``.to(device)``).
 
     Raises:
-        ValueError: no or an unknown ``quantization_config``; tensors that do not fit the model.
+        ValueError, TypeError: not a model directory; no or an invalid ``quantization_config``; tensors
+            that are missing, damaged or do not fit the model (the message names the module).
     """
-    from transformers import AutoConfig
-
-    from .module import FPQuantizedLinear
     from .integration import _parent
+    from .module import FPQuantizedLinear
 
-    path = Path(path)
-    hf_config = AutoConfig.from_pretrained(path)
+    path = _model_dir(path, "path")
+    hf_config = _read_config(path)
     qconfig = getattr(hf_config, "quantization_config", None)
-    if not isinstance(qconfig, dict) or qconfig.get("quant_method") not in (FP8_METHOD, OWN_METHOD):
-        raise ValueError(f"{str(path)!r} has quantization_config={qconfig!r}; expected quant_method "
-                         f"{FP8_METHOD!r} or {OWN_METHOD!r} (write one with `ds-fpquant quantize`)")
+    own = _check_qconfig(qconfig, path)
     del hf_config.quantization_config  # build the plain model; its linears are replaced below
-    own = qconfig.get("ds_fpquant", {})
-    dtype_name = own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16")
-    dtype = getattr(torch, dtype_name.replace("torch.", ""))
+    dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
+        "torch.", ""))
     model = _meta_model(hf_config, model_class)
     linears, prefix = _linear_modules(model), getattr(model, "base_model_prefix", "")
     files = _shard_files(path)
-    keys = _tensor_keys(files)
-    quantized = {name for key in keys for suffix in SCALE_SUFFIXES
+    headers = _tensor_headers(files)
+    code_dtypes = ("F8_E4M3", "F8_E5M2") if qconfig["quant_method"] == FP8_METHOD else ("U8",)
+    quantized = {name for key in headers for suffix in SCALE_SUFFIXES
                  if (name := _module_name(key, suffix, linears, prefix)) is not None}
+    quantized |= {name for key, dtype_name in headers.items() if dtype_name in code_dtypes
+                  and (name := _module_name(key, ".weight", linears, prefix)) is not None}
     parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
     state = {}
     for key, tensor in _iter_tensors(files):
@@ -397,14 +544,13 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
             raise ValueError(f"{name} is a Conv1D whose quantized weight is not stored as (out, in); "
                              f"only checkpoints listing it in quantization_config.ds_fpquant.transposed are supported")
         shape = tuple(module.weight.shape[::-1]) if linears[name] else tuple(module.weight.shape)
-        if "weight" not in tensors:
-            raise ValueError(f"{name}: the checkpoint has its scales but no {name}.weight")
-        qt = _quantized_tensor(tensors, shape, qconfig, dtype)
-        _check_quantized(qt)  # codes and scales must fit the model's shape (clear errors, no kernel)
+        qt = _quantized_tensor(name, tensors, shape, qconfig, dtype)
         bias = state.pop(biases[name]) if name in biases else None
         if (bias is None) != (module.bias is None):
             raise ValueError(f"{name}: the model {'has' if module.bias is not None else 'has no'} bias, the "
                              f"checkpoint {'has none' if bias is None else 'has one'}")
+        if bias is not None and tuple(bias.shape) != (shape[0],):
+            raise ValueError(f"{name}.bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
         parent, child = _parent(model, name)
         setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
     _assign_rest(model, state, prefix)
@@ -422,7 +568,10 @@ def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], prefix:
         candidates = (key, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None,
                       f"{prefix}.{key}" if prefix else None)
         renamed[next((c for c in candidates if c in expected), key)] = tensor
-    result = model.load_state_dict(renamed, strict=False, assign=True)
+    try:
+        result = model.load_state_dict(renamed, strict=False, assign=True)
+    except RuntimeError as exc:  # shapes that do not fit the model
+        raise ValueError(f"the checkpoint's tensors do not fit {type(model).__name__}: {exc}") from None
     non_persistent = dict(model.named_buffers())  # e.g. BERT's position_ids, saved by older versions
     unexpected = [key for key in result.unexpected_keys if key not in non_persistent]
     if unexpected:

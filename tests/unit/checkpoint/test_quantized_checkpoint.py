@@ -62,6 +62,7 @@ def test_round_trip_gpt2(gpt2_dir, tmp_path, fmt, kwargs, section, method):
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc == summary["quantization_config"] and qc["quant_method"] == method and qc["fmt"] == fmt
     assert summary["quantized"] == 8 and summary["skipped_files"] == ["onnx/model.onnx"]
+    assert qc["modules_to_not_convert"] == qc["ignored_layers"] == ["lm_head"]  # tied to wte, not in the file
     assert not (tmp_path / "q" / "onnx" / "model.onnx").exists() and (tmp_path / "q" / "tokenizer_config.json").exists()
     assert sorted(qc["ds_fpquant"]["transposed"]) == sorted(n for n, m in model.named_modules()
                                                             if type(m).__name__ == "Conv1D")
@@ -140,7 +141,7 @@ def test_exclude_keeps_modules_unquantized(gpt2_dir, tmp_path):
     summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", exclude=["attn"], progress=False)
     qc = summary["quantization_config"]
     assert summary["quantized"] == 4 and sorted(qc["modules_to_not_convert"]) == sorted(
-        f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj"))
+        ["lm_head"] + [f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj")])
     after = _tensors(tmp_path / "q")
     assert after["transformer.h.0.attn.c_attn.weight"].dtype == torch.float32
     loaded = fpq.load_quantized(tmp_path / "q")
@@ -229,3 +230,127 @@ def test_minilm_round_trip(tmp_path):
     assert torch.equal(loaded.embeddings.position_ids, model.embeddings.position_ids)
     cos = torch.nn.functional.cosine_similarity(got.last_hidden_state.flatten(), full.last_hidden_state.flatten(), dim=0)
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    (dict(exclude="attn"), TypeError, "exclude must be a list of regular expressions"),
+    (dict(exclude=["(["]), ValueError, r"exclude pattern '\(\[' is not a valid regular expression"),
+    (dict(group_size=0), ValueError, "group_size=0 is not allowed"),
+    (dict(group_size=True), TypeError, "group_size must be an int >= 1, got bool"),
+    (dict(block=(0, 4)), ValueError, r"block\[0\]=0 is not allowed"),
+    (dict(backend="gpu"), ValueError, "backend='gpu' is not supported"),
+    (dict(max_shard_bytes=0), ValueError, "max_shard_bytes=0 is not allowed"),
+    (dict(fmt="mxfp4", block=(4, 8)), ValueError, "fmt='mxfp4' fixes groups of 32"),
+])
+def test_bad_arguments_write_nothing(gpt2_dir, tmp_path, kwargs, exc, message):
+    src, _ = gpt2_dir
+    with pytest.raises(exc, match=message):
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", **kwargs)
+    assert not (tmp_path / "q").exists()
+
+
+def test_directory_and_model_errors(gpt2_dir, tmp_path):
+    src, model = gpt2_dir
+    with pytest.raises(ValueError, match="must be outside src"):
+        checkpoint.quantize_checkpoint(src, src / "q")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='cuda' needs a CUDA device"):
+            checkpoint.quantize_checkpoint(src, tmp_path / "q", backend="cuda")
+    odd = tmp_path / "odd"
+    model.save_pretrained(odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "architectures": ["NoSuchModel"]}))
+    with pytest.raises(ValueError, match=r"architectures=\['NoSuchModel'\]"):
+        checkpoint.quantize_checkpoint(odd, tmp_path / "q")
+    wide = tmp_path / "wide"
+    model.double().save_pretrained(wide)
+    model.float()
+    with pytest.raises(ValueError, match="cannot be quantized .*F64"):
+        checkpoint.quantize_checkpoint(wide, tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+
+
+def test_failure_midway_leaves_nothing(gpt2_dir, tmp_path, monkeypatch):
+    src, _ = gpt2_dir
+    calls = []
+
+    def failing_quantize(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("disk full")
+        return api.quantize(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "quantize", failing_quantize)
+    with pytest.raises(RuntimeError, match="disk full"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", max_shard_bytes=5_000, progress=False)
+    assert not (tmp_path / "q").exists()
+
+
+def test_tied_head_is_listed_and_stays_tied(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=16)
+    model = BertForMaskedLM(cfg).eval()
+    model.save_pretrained(tmp_path / "src")
+    summary = checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "e2m1", group_size=16, progress=False)
+    assert summary["quantization_config"]["modules_to_not_convert"] == ["cls.predictions.decoder"]
+    loaded = fpq.load_quantized(tmp_path / "q")
+    assert loaded.cls.predictions.decoder.weight is loaded.bert.embeddings.word_embeddings.weight
+    reference = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e2m1", "group_size": 16,
+                                                                     "exclude": ["decoder"]}})
+    ids = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def _edit(directory, **changes):
+    from safetensors.torch import save_file
+    tensors = _tensors(directory)
+    for key, value in changes.items():
+        if value is None:
+            del tensors[key.replace("__", ".")]
+        else:
+            tensors[key.replace("__", ".")] = value(tensors[key.replace("__", ".")])
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("fmt,changes,message", [
+    ("e4m3", {"transformer__h__0__mlp__c_fc__weight_scale_inv": None},
+     r"transformer.h.0.mlp.c_fc: a 'fp8' weight has .*missing: \['transformer.h.0.mlp.c_fc.weight_scale_inv'\]"),
+    ("nvfp4", {"transformer__h__0__mlp__c_fc__weight_scale": None}, "missing: .*c_fc.weight_scale'"),
+    ("nvfp4", {"transformer__h__0__mlp__c_fc__weight_scale_2": lambda t: -t}, "tensor scale is finite and >= 2"),
+    ("nvfp4", {"transformer__h__0__mlp__c_fc__weight_scale": lambda t: (t.view(torch.uint8) | 0x80).view(t.dtype)},
+     "non-negative e4m3"),
+    ("e4m3", {"transformer__h__0__mlp__c_fc__weight_scale_inv": lambda t: -t}, "scales must be finite and > 0"),
+    ("e2m1", {"transformer__h__0__mlp__c_fc__weight": lambda t: t[:, :-1].contiguous()},
+     r"transformer.h.0.mlp.c_fc: qt.codes has shape"),
+    ("e2m1", {"transformer__ln_f__weight": lambda t: t[:-1].contiguous()}, "do not fit GPT2LMHeadModel"),
+])
+def test_tampered_checkpoints(gpt2_dir, tmp_path, fmt, changes, message):
+    src, _ = gpt2_dir
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", fmt, progress=False)
+    _edit(tmp_path / "q", **changes)
+    with pytest.raises(ValueError, match=message):
+        fpq.load_quantized(tmp_path / "q")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("fmt", None, "quantization_config.fmt=None"),
+    ("group_size", "16", "group_size='16' must be an int"),
+    ("scale_format", "int8", "scale_format='int8'"),
+    ("weight_block_size", [16], r"weight_block_size=\[16\] must be \[Br, Bc\]"),
+    ("ds_fpquant", "x", "ds_fpquant='x' must be an object"),
+    ("ds_fpquant", {"weight_dtype": "bogus"}, "weight_dtype='bogus'"),
+])
+def test_bad_quantization_config(gpt2_dir, tmp_path, field, value, message):
+    src, _ = gpt2_dir
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, progress=False)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"][field] = value
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        fpq.load_quantized(tmp_path / "q")
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        fpq.load_quantized(tmp_path / "nowhere")

@@ -143,3 +143,17 @@ def test_nvfp4_inconsistent_quantized_tensor():
         fpq.dequantize(fpq.QuantizedTensor(**{**other.__dict__, "tensor_scale": qt.tensor_scale}))
     with pytest.raises(ValueError, match="qt.scale_format='fp32' is not supported"):
         fpq.dequantize(fpq.QuantizedTensor(**{**qt.__dict__, "scale_format": "fp32"}))
+
+
+def test_preset_layouts_are_enforced():
+    x = torch.randn(4, 64)
+    assert fpq.quantize(x, "nvfp4", scale_format="e4m3").scale_format == "e4m3"  # what it reports is accepted
+    with pytest.raises(ValueError, match=r"fmt='mxfp4' fixes groups of 32 along the last dim \(OCP MX v1.0\)"):
+        fpq.quantize(x, "mxfp4", block=(4, 8))
+    with pytest.raises(ValueError, match="scale_format='e4m3' is not supported"):
+        fpq.quantize(x, "e2m1", scale_format="e4m3")
+    qt = fpq.quantize(x, "nvfp4")
+    for change in (dict(group_size=8, codes=qt.codes, scales=qt.scales.repeat(1, 2)),
+                   dict(block=(1, 16))):
+        with pytest.raises(ValueError, match="fmt='nvfp4' means group_size=16, scale_format='e4m3', no block"):
+            fpq.dequantize(fpq.QuantizedTensor(**{**qt.__dict__, **change}))
