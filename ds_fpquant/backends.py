@@ -51,7 +51,8 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
 
 
 def _announce_build(builder) -> None:
-    """One stderr line when the op is about to be JIT-built (not prebuilt, not in torch's cache)."""
+    """One stderr line when the op is about to be JIT-built: not prebuilt, and not in torch's cache or
+    cached from other sources (another checkout or venv: torch then rebuilds it over that one)."""
     import importlib.util
     import os
     import sys
@@ -62,9 +63,17 @@ def _announce_build(builder) -> None:
         prebuilt = importlib.util.find_spec(builder.absolute_name()) is not None
     except ModuleNotFoundError:
         prebuilt = False
-    cached = os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so"))
+    build_dir = _get_build_directory(builder.name, verbose=False)
+    cached = os.path.exists(os.path.join(build_dir, f"{builder.name}.so"))
+    if cached:
+        try:
+            with open(os.path.join(build_dir, "build.ninja")) as fh:
+                ninja = fh.read()
+            cached = all(source in ninja for source in builder.sources())
+        except OSError:
+            cached = False
     if not prebuilt and not cached:
-        print(f"ds_fpquant: building the {builder.name} op (first use; cached in torch's extension dir)...",
+        print(f"ds_fpquant: building the {builder.name} op (first use from these sources; cached in {build_dir})...",
               file=sys.stderr, flush=True)
 
 

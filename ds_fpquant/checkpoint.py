@@ -302,6 +302,10 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     headers = _tensor_headers(files)
     meta = _meta_model(hf_config)
     linears, prefix = _linear_modules(meta), getattr(meta, "base_model_prefix", "")
+    unmatched = [p for p in exclude if not any(re.search(p, name) for name in linears)]
+    if unmatched:
+        raise ValueError(f"exclude patterns {unmatched} match none of the {len(linears)} linear modules "
+                         f"(e.g. {', '.join(list(linears)[:3])}); nothing would be excluded by them")
     stored = {name: key for key in headers if (name := _module_name(key, ".weight", linears, prefix)) is not None}
     plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
     bad = {key: headers[key] for key in plan if headers[key] not in QUANTIZABLE_DTYPES}
@@ -614,10 +618,11 @@ def main(argv=None) -> int:
                          help="2-D scale blocks (default 128 128 for element formats)")
     scaling.add_argument("--group-size", type=int, metavar="G", help="row groups of G along in_features instead")
     parser.add_argument("--scale-format", default="fp32", choices=["fp32", "e8m0"], help="scale format (SPEC 3)")
-    parser.add_argument("--exclude", nargs="+", default=[], metavar="PATTERN",
-                        help="regular expressions of module names to keep unquantized (embeddings and output heads "
-                             "are always kept)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "torch"])
+    parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                        help="regular expression (re.search) of module names to keep unquantized; repeat for more "
+                             "(embeddings and output heads are always kept)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "torch"],
+                        help="auto: the compiled op, else the torch reference; cuda quantizes on the GPU")
     parser.add_argument("--max-shard-size", type=int, default=DEFAULT_MAX_SHARD_BYTES // 2**20, metavar="MIB",
                         help="largest output shard in MiB (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

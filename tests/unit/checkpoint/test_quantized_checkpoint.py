@@ -188,8 +188,8 @@ def test_load_rejects_tensors_that_do_not_fit(gpt2_dir, tmp_path):
 
 def test_cli(gpt2_dir, tmp_path):
     src, _ = gpt2_dir
-    out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(tmp_path / "q"), "--fmt",
-                          "e2m3", "--group-size", "32", "--exclude", "c_proj", "--no-progress"],
+    out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", "--exclude", "c_proj", str(src),
+                          str(tmp_path / "q"), "--fmt", "e2m3", "--group-size", "32", "--no-progress"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "4 linear weights quantized to e2m3 (groups of 32, quant_method 'ds_fpquant')" in out.stdout
@@ -251,6 +251,8 @@ def test_bad_arguments_write_nothing(gpt2_dir, tmp_path, kwargs, exc, message):
 
 def test_directory_and_model_errors(gpt2_dir, tmp_path):
     src, model = gpt2_dir
+    with pytest.raises(ValueError, match=r"exclude patterns \['down_proj'\] match none of the 9 linear modules"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", exclude=["attn", "down_proj"])
     with pytest.raises(ValueError, match="must be outside src"):
         checkpoint.quantize_checkpoint(src, src / "q")
     if not torch.cuda.is_available():
