@@ -167,6 +167,17 @@ def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: O
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
+def _fp32_groups(x2: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp ``(R, K)`` -> fp32 ``(R, ceil(K/G), G)``, the short last group of each row padded with zeros
+    (zeros never change a group's amax)."""
+    rows, k = x2.shape
+    n_groups = -(-k // group_size)
+    x32 = x2.to(torch.float32)
+    if n_groups * group_size != k:
+        x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))
+    return x32.view(rows, n_groups, group_size)
+
+
 def _nvfp4_scales(x2: torch.Tensor, group_size: int):
     """NVFP4 scales (SPEC 3.4) of ``x2`` ``(R, K)`` in groups of ``group_size`` along K.
 
@@ -177,12 +188,7 @@ def _nvfp4_scales(x2: torch.Tensor, group_size: int):
     2^-128) that ``r = fl(1/s)`` overflows (read as ``s == 0``; SPEC 3.4 does not cover it).
     """
     element, scale_code = get_format("e2m1"), get_format(NVFP4_SCALE_FORMAT)
-    rows, k = x2.shape
-    n_groups = -(-k // group_size)
-    x32 = x2.to(torch.float32)
-    if n_groups * group_size != k:
-        x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))  # zeros never change an amax
-    amax, nonfinite = group_amax(x32.view(rows, n_groups, group_size))
+    amax, nonfinite = group_amax(_fp32_groups(x2, group_size))
     amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
     t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
     c, s = nvfp4_group_scales(amax, t, element, scale_code)
@@ -276,11 +282,8 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
     """
     rows, k = x2.shape
     n_groups = -(-k // group_size)
-    x32 = x2.to(torch.float32)
     pad = n_groups * group_size - k
-    if pad:
-        x32 = torch.nn.functional.pad(x32, (0, pad))  # zeros never change a group's amax
-    groups = x32.view(rows, n_groups, group_size)
+    groups = _fp32_groups(x2, group_size)
     amax, nonfinite = group_amax(groups)
     if e8m0 is not None:
         e = e8m0_exponents(amax, f, e8m0)
