@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, checks
-from .formats import FORMATS, PRESETS, FPFormat, get_format
+from .formats import FORMATS, PRESETS, FPFormat, get_format, resolve_preset
 from .packing import pack_rows, row_bytes, unpack_rows
 from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
                         encode_stochastic, group_amax, nvfp4_group_scales, nvfp4_tensor_scale, pow2, random_words,
@@ -25,7 +25,6 @@ NVFP4_SCALE_FORMAT = "e4m3"
 SCALE_ROUNDINGS = ("ceil", "floor")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "cuda", "cpu", "torch")
-DEFAULT_GROUP_SIZE = 128
 #: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
 BF16_QUIET_NAN = 0x7FC0
 
@@ -116,8 +115,7 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
     checks.check_choice("backend", backend, BACKENDS)
     if seed is not None and rounding != "stochastic":
         raise ValueError(f"seed={seed!r} is only allowed with rounding='stochastic' (got rounding={rounding!r})")
-    e8m0_preset = fmt in PRESETS and PRESETS[fmt][2] == "e8m0"
-    if scale_rounding != "ceil" and scale_format != "e8m0" and not e8m0_preset:
+    if scale_rounding != "ceil" and scale_format != "e8m0":
         raise ValueError(f"scale_rounding={scale_rounding!r} only applies to scale_format='e8m0' "
                          f"(got fmt={fmt!r}, scale_format={scale_format!r}); leave it at 'ceil'")
     if fmt in PRESETS and block is not None:
@@ -221,19 +219,6 @@ def element_format(fmt) -> FPFormat:
     raise ValueError(f"fmt={fmt!r} is not supported; allowed: {allowed}")
 
 
-def _apply_preset(fmt, group_size, scale_format):
-    """(group_size, scale_format) fixed by a preset: G=32 and E8M0 scales for MX (OCP MX v1.0), G=16
-    and e4m3 group scale codes for NVFP4 (SPEC 3.4)."""
-    if not (isinstance(fmt, str) and fmt in PRESETS):
-        return group_size, scale_format
-    _, preset_g, preset_scales = PRESETS[fmt]
-    if group_size not in (preset_g, DEFAULT_GROUP_SIZE):
-        raise ValueError(f"fmt={fmt!r} fixes group_size={preset_g}; got group_size={group_size}")
-    if scale_format not in (preset_scales, "fp32"):
-        raise ValueError(f"fmt={fmt!r} fixes scale_format={preset_scales!r}; got scale_format={scale_format!r}")
-    return preset_g, preset_scales
-
-
 def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
     if not isinstance(scales, torch.Tensor):
         raise TypeError(f"scales must be a torch.Tensor of float32, got {type(scales).__name__}")
@@ -331,11 +316,11 @@ def draw_seed() -> int:
 def quantize(
     x: torch.Tensor,
     fmt: str = "e4m3",
-    group_size: int = 128,
+    group_size: Optional[int] = None,
     *,
     grouping: str = "row",
     block: Optional[Tuple[int, int]] = None,
-    scale_format: str = "fp32",
+    scale_format: Optional[str] = None,
     scale_rounding: str = "ceil",
     rounding: str = "nearest",
     seed: Optional[int] = None,
@@ -354,10 +339,12 @@ def quantize(
             times the fp32 per-tensor scale ``tensor_scale``; with ``grouping="flat"`` the groups run
             over ``numel``).
         group_size: elements per group ``G >= 1``; the last group of a row may be shorter (SPEC 2).
+            ``None`` (not given): 128, or the preset's (32 for MX, 16 for NVFP4); a preset refuses any
+            other value (``ValueError``).
         grouping: ``"row"`` (groups tile the last dim) or ``"flat"`` (groups run over ``numel``).
         scale_format: ``"fp32"`` (SPEC 3.1) or ``"e8m0"`` (SPEC 3.2, power-of-two scales stored as
-            bytes); presets ``"mxfp8_e4m3" "mxfp8_e5m2" "mxfp6_e3m2" "mxfp6_e2m3" "mxfp4"`` mean their
-            element format with G=32 and E8M0 scales (OCP MX v1.0).
+            bytes). ``None`` (not given): ``"fp32"``, or the preset's (``"e8m0"`` for the MX presets,
+            ``"e4m3"`` for NVFP4); a preset refuses any other value (``ValueError``).
         scale_rounding: E8M0 only: ``"ceil"`` (no element saturates) or ``"floor"`` (OCP MX rule).
         rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SPEC 4: unbiased, one Philox4x32-10 word
             per element; all backends give the same bits for the same ``seed`` and ``offset``).
@@ -383,11 +370,10 @@ def quantize(
     Raises:
         TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
     """
-    group_size = checks.check_int("group_size", group_size, 1)
+    group_size, scale_format = resolve_preset(fmt, group_size, scale_format)
     offset = checks.check_u64("offset", offset)
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     seed = None if seed is None else checks.check_u64("seed", seed)
-    group_size, scale_format = _apply_preset(fmt, group_size, scale_format)
     nvfp4 = fmt == "nvfp4"
     if scales is not None and (scale_format != "fp32" or nvfp4):
         raise ValueError(f"scales= takes fp32 scales; it cannot be combined with fmt={fmt!r}, "

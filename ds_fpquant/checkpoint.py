@@ -208,7 +208,7 @@ class _ShardWriter:
         return names
 
 
-def _settings(fmt: str, block, group_size, scale_format: str, exclude: Sequence[str]):
+def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude: Sequence[str]):
     """The :class:`~ds_fpquant.config.FPQuantizationConfig` of a checkpoint run, its layout name and
     the ``quantization_config`` fields that describe the codes; ``ValueError``/``TypeError`` for bad
     arguments."""
@@ -229,13 +229,15 @@ def _settings(fmt: str, block, group_size, scale_format: str, exclude: Sequence[
             re.compile(pattern)
         except re.error as exc:
             raise ValueError(f"exclude pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    fp8 = fmt in FP8_DTYPES and scale_format == "fp32"
+    fp8 = fmt in FP8_DTYPES and scale_format in (None, "fp32")
     if block is None and fmt in FORMATS:
         # the FP8 layout stores row groups as [1, G] blocks; other formats keep row grouping
         block = DEFAULT_BLOCK if group_size is None else ((1, group_size) if fp8 else None)
-    probe = quantize(torch.zeros(2, 2), fmt, group_size or 128, block=block, scale_format=scale_format,
+    if block is not None:
+        group_size = None  # the blocks fix the groups
+    probe = quantize(torch.zeros(2, 2), fmt, group_size, block=block, scale_format=scale_format,
                      backend="torch")  # every other argument error, before any file is touched
-    config = FPQuantizationConfig(fmt=fmt, group_size=probe.group_size, block=block, scale_format=scale_format,
+    config = FPQuantizationConfig(fmt=fmt, group_size=group_size, block=block, scale_format=scale_format,
                                   exclude=[*DEFAULT_EXCLUDE, *exclude])
     layout = {"fmt": fmt, "group_size": probe.group_size, "weight_block_size": list(block) if block else None,
               "scale_format": probe.scale_format}
@@ -247,7 +249,7 @@ QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
-                        group_size: Optional[int] = None, scale_format: str = "fp32",
+                        group_size: Optional[int] = None, scale_format: Optional[str] = None,
                         exclude: Sequence[str] = (), backend: str = "auto",
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Dict[str, Any]:
     """Quantize the linear weights of the Hugging Face model directory ``src`` into ``dst``.
@@ -260,7 +262,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         block: ``(Br, Bc)`` scale blocks; default ``(128, 128)`` for element formats unless
             ``group_size`` is given (presets bring their own groups).
         group_size: row groups of ``G`` along ``in_features`` instead of blocks.
-        scale_format: ``"fp32"`` or ``"e8m0"`` (SPEC 3).
+        scale_format: ``"fp32"`` or ``"e8m0"`` (SPEC 3); ``None``: ``"fp32"``, or the preset's own.
         exclude: regular expressions (``re.search`` on module names) of linears to keep unquantized,
             on top of :data:`ds_fpquant.config.DEFAULT_EXCLUDE` (embeddings, output heads).
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"torch"`` (tensors are quantized on CPU, or
@@ -617,7 +619,8 @@ def main(argv=None) -> int:
     scaling.add_argument("--block", nargs=2, type=int, metavar=("BR", "BC"),
                          help="2-D scale blocks (default 128 128 for element formats)")
     scaling.add_argument("--group-size", type=int, metavar="G", help="row groups of G along in_features instead")
-    parser.add_argument("--scale-format", default="fp32", choices=["fp32", "e8m0"], help="scale format (SPEC 3)")
+    parser.add_argument("--scale-format", choices=["fp32", "e8m0"],
+                        help="scale format (SPEC 3; default fp32, or the preset's own)")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                         help="regular expression (re.search) of module names to keep unquantized; repeat for more "
                              "(embeddings and output heads are always kept)")

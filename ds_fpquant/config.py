@@ -25,9 +25,9 @@ import re
 from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from .formats import FORMATS, PRESETS
+from .formats import FORMATS, PRESETS, resolve_preset
 
 #: The top-level key of the section in a DeepSpeed config.
 SECTION = "fp_quantization"
@@ -69,13 +69,19 @@ class ModuleOverride(DeepSpeedConfigModel):
 
 
 class FPQuantizationConfig(DeepSpeedConfigModel):
-    """Settings of :func:`ds_fpquant.apply` (SPEC.md for the numerics of each field)."""
+    """Settings of :func:`ds_fpquant.apply` (SPEC.md for the numerics of each field).
+
+    ``group_size`` and ``scale_format`` left out mean 128 and ``"fp32"``, or a preset's own (G=32 and
+    ``"e8m0"`` for MX, G=16 and e4m3 scale codes for ``"nvfp4"``); a preset refuses other given values.
+    A ``modules`` override that sets ``fmt`` to a preset starts from the preset's own scaling: the
+    section's ``group_size``, ``block`` and ``scale_format`` are not carried into it.
+    """
 
     enabled: bool = True
     fmt: str = "e4m3"
-    group_size: int = Field(128, ge=1)
+    group_size: Optional[int] = Field(None, ge=1)
     block: Optional[Tuple[int, int]] = None
-    scale_format: ScaleFormat = "fp32"
+    scale_format: Optional[ScaleFormat] = None
     rounding: Rounding = "nearest"
     modules: Dict[str, ModuleOverride] = Field(default_factory=dict)
     exclude: List[str] = Field(default_factory=lambda: list(DEFAULT_EXCLUDE))
@@ -103,20 +109,42 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             raise ValueError(f"block={value!r}: both block sizes must be >= 1")
         return value
 
-    def settings_for(self, name: str) -> Optional[Dict[str, Any]]:
-        """Keyword arguments of :func:`ds_fpquant.quantize` for the module ``name``, or ``None``
-        when it is not to be quantized (section disabled, excluded, or disabled by an override)."""
-        if not self.enabled or any(re.search(p, name) for p in self.exclude):
-            return None
+    @model_validator(mode="after")
+    def _presets_consistent(self):
+        """Every combination a module can get (the section, each override) is valid for its ``fmt``."""
+        for where, override in [("", None), *((f"modules[{p!r}].", o) for p, o in self.modules.items())]:
+            try:
+                self._settings(override)
+            except ValueError as exc:
+                raise ValueError(f"{where or 'fp_quantization.'}{exc}") from None
+        return self
+
+    def _settings(self, override: Optional[ModuleOverride]) -> Dict[str, Any]:
         settings = dict(fmt=self.fmt, group_size=self.group_size, block=self.block,
                         scale_format=self.scale_format, rounding=self.rounding)
+        if override is not None:
+            given = {k: v for k, v in override.model_dump(exclude={"enabled"}).items() if v is not None}
+            if given.get("fmt") in PRESETS:  # a preset brings its own scaling
+                settings.update(group_size=None, block=None, scale_format=None)
+            settings.update(given)
+        fmt = settings["fmt"]
+        if fmt in PRESETS and settings["block"] is not None:
+            raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim; "
+                             f"block={settings['block']!r} cannot be combined with it")
+        settings["group_size"], settings["scale_format"] = resolve_preset(fmt, settings["group_size"],
+                                                                          settings["scale_format"])
+        return settings
+
+    def settings_for(self, name: str) -> Optional[Dict[str, Any]]:
+        """Keyword arguments of :func:`ds_fpquant.quantize` for the module ``name`` (``group_size`` and
+        ``scale_format`` resolved), or ``None`` when it is not to be quantized (section disabled,
+        excluded, or disabled by an override)."""
+        if not self.enabled or any(re.search(p, name) for p in self.exclude):
+            return None
         for pattern, override in self.modules.items():
             if re.search(pattern, name):
-                if override.enabled is False:
-                    return None
-                settings.update({k: v for k, v in override.model_dump(exclude={"enabled"}).items() if v is not None})
-                break
-        return settings
+                return None if override.enabled is False else self._settings(override)
+        return self._settings(None)
 
 
 def _read(config) -> Mapping[str, Any]:

@@ -156,6 +156,11 @@ DEEPSPEED_FORMATS: Dict[Tuple[int, int], str] = {
     (4, 1): "e2m1",
     (12, 7): "e4m7",
 }
+#: ``q_mantisa_bits`` default of DeepSpeed's ``FP_Quantize`` methods and ``QuantizationConfig.mantissa_bits``.
+DEEPSPEED_DEFAULT_MANTISSA_BITS = 3
+#: ``q_bits`` for which DeepSpeed ignores ``q_mantisa_bits`` and uses its fixed fp12 / fp6 / fp4
+#: (``deepspeed/ops/fp_quantizer/quantize.py``); only 8 bits choose between two formats.
+DEEPSPEED_FIXED_FORMATS: Dict[int, str] = {b: n for (b, _), n in DEEPSPEED_FORMATS.items() if b != 8}
 
 
 def traits_table() -> Dict[str, Dict[str, Any]]:
@@ -191,19 +196,29 @@ def get_format(fmt) -> FPFormat:
 
 
 def format_from_deepspeed(q_bits, q_mantisa_bits) -> FPFormat:
-    """Map DeepSpeed's ``(q_bits, q_mantisa_bits)`` to a format (SPEC 1), or raise ``ValueError``.
+    """Map DeepSpeed's ``(q_bits, q_mantisa_bits)`` to a format (SPEC 1), or raise.
 
-    Unlike DeepSpeed, a pair that is not in the table is an error, never re-dispatched.
+    ``q_bits=8`` chooses by ``q_mantisa_bits``: 3 is ``e4m3``, 2 is ``e5m2``. For ``q_bits`` 12, 6 and 4
+    DeepSpeed's ``FP_Quantize`` ignores ``q_mantisa_bits`` (its default is 3) and uses its fp12 / fp6 /
+    fp4, which are ``e4m7``, ``e3m2`` and ``e2m1`` here; so these accept DeepSpeed's default 3 or the
+    format's own mantissa bits (7, 2, 1). Any other pair is an error, never re-dispatched.
+
+    Raises:
+        TypeError: ``q_bits`` or ``q_mantisa_bits`` is not an int.
+        ValueError: a pair that names no format; the message lists the allowed pairs.
     """
     for name, value in (("q_bits", q_bits), ("q_mantisa_bits", q_mantisa_bits)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    try:
+    if (q_bits, q_mantisa_bits) in DEEPSPEED_FORMATS:
         return FORMATS[DEEPSPEED_FORMATS[(q_bits, q_mantisa_bits)]]
-    except KeyError:
-        allowed = ", ".join(f"({b}, {m}) {n}" for (b, m), n in DEEPSPEED_FORMATS.items())
-        raise ValueError(f"(q_bits, q_mantisa_bits)=({q_bits}, {q_mantisa_bits}) is not supported; "
-                         f"allowed: {allowed}") from None
+    if q_bits in DEEPSPEED_FIXED_FORMATS and q_mantisa_bits == DEEPSPEED_DEFAULT_MANTISSA_BITS:
+        return FORMATS[DEEPSPEED_FIXED_FORMATS[q_bits]]
+    allowed = [f"({b}, {m}) or ({b}, {DEEPSPEED_DEFAULT_MANTISSA_BITS}) {n}" if b in DEEPSPEED_FIXED_FORMATS
+               else f"({b}, {m}) {n}" for (b, m), n in DEEPSPEED_FORMATS.items()]
+    raise ValueError(f"(q_bits, q_mantisa_bits)=({q_bits}, {q_mantisa_bits}) is not supported; allowed: "
+                     f"{', '.join(allowed)} (for q_bits 12, 6, 4 the mantissa bits are DeepSpeed's default "
+                     f"{DEEPSPEED_DEFAULT_MANTISSA_BITS} or the format's own)")
 
 
 #: Named presets of API.md: element format, group size, scale format. The MX presets have E8M0 scales
@@ -216,3 +231,36 @@ PRESETS: Dict[str, Tuple[str, int, str]] = {
     "mxfp4": ("e2m1", 32, "e8m0"),
     "nvfp4": ("e2m1", 16, "e4m3"),
 }
+
+#: ``group_size`` and ``scale_format`` of an element format when the caller gives none (API.md).
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_SCALE_FORMAT = "fp32"
+
+
+def resolve_preset(fmt, group_size: Optional[int] = None, scale_format: Optional[str] = None) -> Tuple[int, str]:
+    """``(group_size, scale_format)`` for ``fmt``; the one place where "not given" (``None``) is resolved.
+
+    A preset fixes both (:data:`PRESETS`: G=32 and ``"e8m0"`` for MX, OCP MX v1.0; G=16 and ``"e4m3"``
+    for NVFP4, SPEC 3.4): ``None`` takes the preset's value, a given value must equal it. An element
+    format takes :data:`DEFAULT_GROUP_SIZE` / :data:`DEFAULT_SCALE_FORMAT` for ``None`` and any given
+    value as it is (checked by the caller). ``fmt`` itself is not checked here.
+
+    Raises:
+        TypeError: ``group_size`` is not an int.
+        ValueError: ``group_size < 1``, or a given value that differs from the preset's.
+    """
+    from .checks import check_int
+
+    if group_size is not None:
+        group_size = check_int("group_size", group_size, 1)
+    if not (isinstance(fmt, str) and fmt in PRESETS):
+        return (DEFAULT_GROUP_SIZE if group_size is None else group_size,
+                DEFAULT_SCALE_FORMAT if scale_format is None else scale_format)
+    _, preset_g, preset_scales = PRESETS[fmt]
+    if group_size is not None and group_size != preset_g:
+        raise ValueError(f"fmt={fmt!r} fixes group_size={preset_g}; got group_size={group_size} (leave it out, "
+                         f"or use the element format {PRESETS[fmt][0]!r} for other group sizes)")
+    if scale_format is not None and scale_format != preset_scales:
+        raise ValueError(f"fmt={fmt!r} fixes scale_format={preset_scales!r}; got scale_format={scale_format!r} "
+                         f"(leave it out, or use the element format {PRESETS[fmt][0]!r} for other scales)")
+    return preset_g, preset_scales

@@ -122,6 +122,35 @@ class FP_Quantize(Quantizer):
         return QuantizedTensor(codes=flat.contiguous(), scales=scales, shape=torch.Size((numel,)), dtype=dtype,
                                fmt=f.name, group_size=self.group_size, grouping="flat")
 
+    def _selected_groups(self, input_q, scale, f: FPFormat, numel: int, group_ids: torch.Tensor,
+                         dtype) -> QuantizedTensor:
+        """Only the groups ``group_ids`` (int64, ``(n,)``, each in ``[0, num_groups)``) of a buffer (or of
+        meta codes + ``scale``) as a flat :class:`QuantizedTensor` of ``n * G`` elements (SPEC 6.1).
+
+        A short last group comes with the buffer's zero padding (meta codes: its last code repeated);
+        the caller drops those elements. Nothing but the selected groups' bytes is read or copied.
+        """
+        num_groups = self._num_groups(numel)
+        gbytes, row = self._row_layout(f)
+        if scale is None:
+            checks.check_byte_tensor("input_q", input_q, (num_groups, row))
+            rows = input_q.view(torch.uint8).index_select(0, group_ids)
+            codes, scales = rows[:, :gbytes], rows[:, gbytes:].contiguous()
+        else:
+            if f.bits != 8:
+                raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
+            checks.check_byte_tensor("input_q", input_q, device=None)
+            if input_q.numel() != numel:
+                raise ValueError(f"input_q has {input_q.numel()} codes; expected {numel} (one per element)")
+            g = self.group_size
+            elements = (group_ids.unsqueeze(1) * g + torch.arange(g, device=group_ids.device)).clamp_(max=numel - 1)
+            codes = input_q.view(torch.uint8).reshape(numel).index_select(0, elements.reshape(-1))
+            scales = self._scale_bytes(scale, num_groups, input_q.device).index_select(0, group_ids)
+        n = group_ids.numel()
+        return QuantizedTensor(codes=codes.reshape(n * gbytes), scales=scales.view(torch.float32).reshape(n),
+                               shape=torch.Size((n * self.group_size,)), dtype=dtype, fmt=f.name,
+                               group_size=self.group_size, grouping="flat")
+
     @staticmethod
     def _scale_bytes(scale, num_groups: int, device) -> torch.Tensor:
         """Meta scales as uint8 ``(num_groups, 4)``; fp32 ``(num_groups,)``/``(num_groups, 1)`` also accepted."""
@@ -207,13 +236,28 @@ class FP_Quantize(Quantizer):
                              q_bits: int = 8,
                              q_mantisa_bits: int = 3,
                              scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Dequantize only the slices ``orig[indexes]`` along dim 0 (e.g. chosen MoE experts).
+        """Dequantize only the slices ``orig[indexes]`` along dim 0 (e.g. the chosen MoE experts).
+
+        Only the groups that hold the selected slices are read and decoded (a slice of ``R`` elements
+        touches ``R/G`` groups when ``G`` divides ``R``, at most ``ceil((R + G - 1) / G)`` otherwise), so
+        the work and the temporary memory scale with ``len(indexes)``, not with ``orig_shape[0]``. The
+        result is bit-identical to the same rows of :meth:`dequantize` (SPEC 5).
 
         Args:
-            indexes: 1-D int32 or int64 tensor of dim-0 positions in ``[0, orig_shape[0])``.
+            input_q: the buffer of :meth:`quantize` (uint8 or int8), or meta codes with ``scale=``.
+            indexes: 1-D int32 or int64 tensor of dim-0 positions in ``[0, orig_shape[0])``; any order,
+                repeats allowed; on the CPU or on ``input_q``'s device.
+            fp_out: optional output of ``len(indexes) * prod(orig_shape[1:])`` elements; its dtype is
+                the one the values are rounded to.
+            q_bits, q_mantisa_bits, scale: as for :meth:`dequantize`.
 
         Returns:
             ``(len(indexes), *orig_shape[1:])`` tensor of ``orig_dtype`` (or ``fp_out``).
+
+        Raises:
+            TypeError, ValueError: no ``orig_shape``/``orig_dtype``, ``indexes`` of the wrong dtype, rank,
+                device or range, a buffer of the wrong shape, or a ``(q_bits, q_mantisa_bits)`` pair
+                that names no format.
         """
         shape, dtype = self._orig()
         if shape is None or dtype is None or len(shape) < 1:
@@ -236,8 +280,22 @@ class FP_Quantize(Quantizer):
             self._check_fp_out(fp_out, math.prod(out_shape), input_q.device)
             dtype = fp_out.dtype  # round once, straight to the output dtype (SPEC 5)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
-        full = dequantize(self._to_quantized(input_q, scale, f, math.prod(shape), dtype), dtype)
-        y = full.reshape(shape).index_select(0, indexes.to(full.device).long())
+        slice_numel, g = math.prod(shape[1:]), self.group_size
+        if indexes.numel() == 0 or slice_numel == 0:
+            y = torch.empty(out_shape, dtype=dtype, device=input_q.device)
+        else:
+            start = indexes.to(input_q.device, torch.int64) * slice_numel  # first element of each slice
+            first_group = start // g
+            aligned = slice_numel % g == 0  # then every slice starts a group and spans R/G of them
+            span = slice_numel // g if aligned else -(-(slice_numel + g - 1) // g)
+            last = self._num_groups(math.prod(shape)) - 1
+            group_ids = (first_group.unsqueeze(1) + torch.arange(span, device=start.device)).clamp_(max=last)
+            qt = self._selected_groups(input_q, scale, f, math.prod(shape), group_ids.reshape(-1), dtype)
+            y = dequantize(qt, dtype).view(indexes.numel(), span * g)
+            if not aligned:  # each slice starts `start - first_group * G` elements into its first group
+                columns = (start - first_group * g).unsqueeze(1) + torch.arange(slice_numel, device=start.device)
+                y = y.gather(1, columns)
+            y = y.reshape(out_shape)
         if fp_out is None:
             return y
         with torch.no_grad():

@@ -94,7 +94,7 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
     targets += sharded
     if replaced:
         logger.info(f"ds_fpquant: replaced {replaced} of {len(targets)} Linear modules ({config.fmt}, "
-                    f"G={config.group_size}); weights {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")
+                    f"G={config._settings(None)['group_size']}); weights {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")
     else:
         logger.info(f"ds_fpquant: no Linear module matched ({len(targets)} found)")
     return model

@@ -61,11 +61,12 @@ class FPQuantizedLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, fmt: str = "e4m3", group_size: int = 128, *,
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str = "e4m3", group_size: Optional[int] = None, *,
                     compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs):
         """Quantize ``linear.weight`` (``(out, in)``, groups along ``in``) and keep its bias.
 
-        ``quantize_kwargs`` go to :func:`ds_fpquant.quantize` (``rounding``, ``seed``, ...).
+        ``group_size=None`` is 128, or a preset's own; ``quantize_kwargs`` go to
+        :func:`ds_fpquant.quantize` (``block``, ``scale_format``, ``rounding``, ``seed``, ...).
         """
         qt = quantize(linear.weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
         return cls(qt, linear.bias, compute_dtype=compute_dtype, backend=backend)
@@ -115,7 +116,7 @@ def is_weight_quantized(module: torch.nn.Module) -> bool:
     return hasattr(module, "_fpq_weight")
 
 
-def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_size: int = 128, *,
+def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_size: Optional[int] = None, *,
                              compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs) -> int:
     """Store ``module.weight`` (2-D) as FP codes + scales and dequantize it around each forward.
 

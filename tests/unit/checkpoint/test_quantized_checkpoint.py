@@ -241,6 +241,9 @@ def test_minilm_round_trip(tmp_path):
     (dict(backend="gpu"), ValueError, "backend='gpu' is not supported"),
     (dict(max_shard_bytes=0), ValueError, "max_shard_bytes=0 is not allowed"),
     (dict(fmt="mxfp4", block=(4, 8)), ValueError, "fmt='mxfp4' fixes groups of 32"),
+    (dict(fmt="mxfp4", group_size=128), ValueError, "fmt='mxfp4' fixes group_size=32; got group_size=128"),
+    (dict(fmt="nvfp4", scale_format="fp32"), ValueError, "fmt='nvfp4' fixes scale_format='e4m3'; got scale_format='fp32'"),
+    (dict(fmt="mxfp8_e4m3", scale_format="fp32"), ValueError, "fmt='mxfp8_e4m3' fixes scale_format='e8m0'"),
 ])
 def test_bad_arguments_write_nothing(gpt2_dir, tmp_path, kwargs, exc, message):
     src, _ = gpt2_dir

@@ -46,12 +46,6 @@ def test_move_to_accelerator_quantizes_exactly(dtype, q_bits, mantissa_bits):
     assert_bitwise_equal(qp.dequantized().cpu(), expected, "QuantizedParameter.dequantized()")
 
 
-def test_default_mantissa_bits_with_q_bits_6_is_an_error():
-    """DeepSpeed's config defaults mantissa_bits=3; (6, 3) is no format, and is not re-dispatched."""
-    with pytest.raises(ValueError, match=r"\(q_bits, q_mantisa_bits\)=\(6, 3\) is not supported"):
-        _param(torch.rand(5, 5, dtype=torch.bfloat16), q_bits=6, mantissa_bits=3).to(DEVICE)
-
-
 def test_hf_clone():
     qp = _param(torch.rand(5, 5, dtype=torch.bfloat16), q_bits=6, mantissa_bits=2).to(DEVICE)
     clone = QuantizedParameter(qp.data, **qp.__dict__)  # the Hugging Face clone pattern

@@ -60,6 +60,36 @@ class TestConfig:
         assert cfg.settings_for("lm_head") is None and "lm_head" in DEFAULT_EXCLUDE
         assert FPQuantizationConfig(enabled=False).settings_for("x") is None
 
+    def test_presets_in_the_section_and_overrides(self):
+        """Left-out group_size / scale_format take the preset's; given ones must match it; an override that
+        switches to a preset starts from the preset's scaling, not the section's group_size or block."""
+        assert FPQuantizationConfig(fmt="mxfp4").settings_for("mlp")["group_size"] == 32
+        nv = FPQuantizationConfig(fmt="nvfp4").settings_for("mlp")
+        assert (nv["group_size"], nv["scale_format"]) == (16, "e4m3")
+        plain = FPQuantizationConfig().settings_for("mlp")
+        assert (plain["group_size"], plain["scale_format"], plain["block"]) == (128, "fp32", None)
+        cfg = FPQuantizationConfig(fmt="e4m3", group_size=64, block=(64, 64), modules={"mlp": {"fmt": "mxfp4"},
+                                                                                      "attn": {"fmt": "e2m1"}})
+        mx = cfg.settings_for("h.0.mlp.c_fc")
+        assert (mx["fmt"], mx["group_size"], mx["scale_format"], mx["block"]) == ("mxfp4", 32, "e8m0", None)
+        e2m1 = cfg.settings_for("h.0.attn.c_attn")  # an element format keeps the section's scaling
+        assert (e2m1["group_size"], e2m1["block"]) == (64, (64, 64))
+        for section, match in [({"fmt": "mxfp4", "group_size": 128}, r"fp_quantization\.fmt='mxfp4' fixes group_size=32"),
+                               ({"fmt": "mxfp4", "scale_format": "fp32"}, "fixes scale_format='e8m0'"),
+                               ({"modules": {"mlp": {"fmt": "nvfp4", "group_size": 32}}},
+                                r"modules\['mlp'\]\.fmt='nvfp4' fixes group_size=16"),
+                               ({"fmt": "nvfp4", "modules": {"mlp": {"group_size": 32}}},
+                                r"modules\['mlp'\]\.fmt='nvfp4' fixes group_size=16")]:
+            with pytest.raises(ValueError, match=match):
+                load_config({"fp_quantization": section})
+
+    def test_preset_from_linear_refuses_other_group_size(self):
+        linear = torch.nn.Linear(64, 8)
+        with pytest.raises(ValueError, match="fmt='mxfp4' fixes group_size=32; got group_size=128"):
+            FPQuantizedLinear.from_linear(linear, "mxfp4", 128)
+        assert FPQuantizedLinear.from_linear(linear, "mxfp4").group_size == 32
+        assert FPQuantizedLinear.from_linear(linear, "e2m1").group_size == 128
+
 
 class TestApply:
 

@@ -104,6 +104,31 @@ def test_mx_presets(target, preset, element):
     assert torch.equal(qt.dequantize(backend=target.backend), same.dequantize(backend=target.backend))
 
 
+@pytest.mark.parametrize("preset", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4"])
+def test_presets_never_change_a_given_value(preset):
+    """Only "not given" takes the preset's value: DeepSpeed-era defaults (G=128, fp32 scales) passed
+    explicitly are refused, never silently replaced; the preset's own values are accepted."""
+    x = torch.randn(4, 64)
+    _, g, scales = fpq.PRESETS[preset]
+    for group_size in (128, 1, g * 2):
+        with pytest.raises(ValueError, match=f"fmt='{preset}' fixes group_size={g}; got group_size={group_size}"):
+            fpq.quantize(x, preset, group_size)
+    for scale_format in ("fp32", "e8m0" if scales != "e8m0" else "e4m3"):
+        with pytest.raises(ValueError, match=f"fmt='{preset}' fixes scale_format='{scales}'"):
+            fpq.quantize(x, preset, scale_format=scale_format)
+    qt = fpq.quantize(x, preset, g, scale_format=scales)
+    default = fpq.quantize(x, preset)
+    assert (qt.group_size, qt.scale_format) == (default.group_size, default.scale_format) == (g, scales)
+    assert torch.equal(qt.codes, default.codes) and torch.equal(qt.scales, default.scales)
+
+
+def test_element_formats_default_to_g128_fp32():
+    x = torch.randn(2, 300)
+    qt = fpq.quantize(x, "e2m1")
+    assert (qt.group_size, qt.scale_format, qt.scales.shape) == (128, "fp32", (2, 3))
+    assert torch.equal(qt.codes, fpq.quantize(x, "e2m1", 128, scale_format="fp32").codes)
+
+
 def test_preset_conflicts_are_errors():
     x = torch.randn(64)
     with pytest.raises(ValueError, match="fmt='mxfp4' fixes group_size=32; got group_size=64"):

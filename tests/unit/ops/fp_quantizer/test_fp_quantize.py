@@ -188,9 +188,10 @@ def test_dequantize_without_shape_is_an_error():
         q.dequantize(torch.zeros(1, 12, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("q_bits,q_mantisa_bits", [(8, 4), (4, 3), (6, 3), (12, 4), (16, 7), (5, 2)])
+@pytest.mark.parametrize("q_bits,q_mantisa_bits", [(8, 4), (4, 2), (6, 1), (12, 4), (16, 7), (5, 2), (16, 3)])
 def test_unsupported_bit_pairs_raise(q_bits, q_mantisa_bits):
-    """No silent re-dispatch (DeepSpeed turns q_bits=4 with any mantissa into e2m1)."""
+    """No silent re-dispatch of a pair that names no format (DeepSpeed turns q_bits=4 with any mantissa
+    into e2m1); only DeepSpeed's default 3 or the format's own mantissa bits are accepted."""
     with pytest.raises(ValueError, match=rf"\(q_bits, q_mantisa_bits\)=\({q_bits}, {q_mantisa_bits}\)"):
         FP_Quantize(group_size=8).quantize(torch.randn(8), q_bits=q_bits, q_mantisa_bits=q_mantisa_bits)
 
