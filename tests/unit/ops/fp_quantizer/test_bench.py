@@ -33,3 +33,18 @@ def test_bench_cli_json(tmp_path):
     data = json.loads(path.read_text())
     assert data["environment"]["device"] == "cpu" and data["results"]
     assert "| quantize | cpu | e5m2 | 64 |" in run.stdout
+
+
+def test_selective_dequantize_benchmark_script():
+    """benchmarks/selective_dequantize.py runs, checks its own bits and prints both rows (no timing asserts)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[4] / "benchmarks" / "selective_dequantize.py"
+    run = subprocess.run([sys.executable, str(script), "--experts", "6", "--rows", "8", "--cols", "24", "--top-k", "2",
+                          "--group-size", "20", "--q-bits", "6", "--repeat", "1", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| 6 | dequantize (all experts) |" in run.stdout and "| 6 | selective_dequantize (k=2) |" in run.stdout
+    bad = subprocess.run([sys.executable, str(script), "--top-k", "9", "--experts", "4"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "--top-k=9 is more than --experts=4" in bad.stderr
