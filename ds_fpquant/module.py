@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 
 from .api import QuantizedTensor, quantize
+from .linear import linear as fused_linear
 
 __all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized"]
 
@@ -86,10 +86,10 @@ class FPQuantizedLinear(torch.nn.Module):
         return sum(b.numel() for n, b in self.named_buffers() if n.startswith("weight_"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + bias`` with ``W = dequantize(weight, compute_dtype)`` (default: ``x``'s dtype), decoded
+        on the fly (:func:`ds_fpquant.linear.linear`: the fused CPU op on CPU tensors)."""
         dtype = self.compute_dtype or x.dtype
-        weight = self.dequantized_weight(dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), weight, bias).to(x.dtype)
+        return fused_linear(x.to(dtype), self.quantized_weight, self.bias, backend=self.backend).to(x.dtype)
 
     # state_dict round trip: the format travels with the buffers
     def get_extra_state(self) -> Dict[str, Any]:

@@ -33,6 +33,7 @@ class FPQuantizerBuilder(ProjectOpMixin, CUDAOpBuilder):
         return [
             csrc_path("fp_quantizer", "fp_quantize_cuda.cu"),
             csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"),
+            csrc_path("fp_quantizer", "fp_linear_cpu.cpp"),
             csrc_path("fp_quantizer", "fp_quantize_binding.cpp"),
         ]
 

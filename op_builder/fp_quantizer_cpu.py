@@ -14,7 +14,8 @@ class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
     NAME = "ds_fpquant_cpu"
 
     def sources(self):
-        return [csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"), csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]
+        return [csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"), csrc_path("fp_quantizer", "fp_linear_cpu.cpp"),
+                csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]
 
     def include_paths(self):
         return [csrc_path("fp_quantizer", "includes")]

@@ -176,6 +176,94 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     return out;
 }
 
+// y = x @ dequant(W)^T (+ bias) on the CPU, W (n, k) row-grouped codes with its scales (fp_linear_cpu.cpp).
+//   x: (m, k) fp32 / fp16 / bf16, contiguous; the weights are decoded in x's dtype (SPEC 5).
+//   scales: fp32 or uint8 (scale_kind "fp32", "e8m0" or "e4m3" for NVFP4 with tensor_scale), shape
+//   (ceil(n / block_rows), ceil(k / G)); block_rows = Br for 2-D blocks, 1 for row groups.
+//   m <= small_m: the fused kernel (fp32 accumulation, one rounding to x's dtype); larger m: panels of
+//   about panel_bytes of decoded rows, each multiplied by torch's matmul (addmm) in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
+                  int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
+                  const std::string& fmt_name, int64_t group_size, int64_t small_m, int64_t panel_bytes)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    TORCH_CHECK_VALUE(x.is_cpu() && codes.is_cpu() && scales.is_cpu(), "linear: x, codes and scales must be CPU "
+                      "tensors");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && !x.is_neg(), "x must be a contiguous 2-D (m, k) tensor");
+    TORCH_CHECK_VALUE(group_size >= 1 && block_rows >= 1, "group_size and block_rows must be >= 1");
+    const int64_t m = x.size(0), k = x.size(1);
+    const int64_t g = effective_group_size(group_size, k);
+    TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), "; expected torch.uint8");
+    const int64_t rb = fpq::row_bytes(k, g, bits_of(fmt));
+    TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) == rb && codes.is_contiguous(),
+                      "codes must be contiguous with shape (n, ", rb, "), got ", codes.sizes());
+    const int64_t n = codes.size(0);
+    fpq::LinearArgs args;
+    if (scale_kind == "fp32") {
+        args.scale_kind = fpq::LinearScale::kFp32;
+    } else if (scale_kind == "e8m0") {
+        args.scale_kind = fpq::LinearScale::kE8m0;
+    } else {
+        TORCH_CHECK_VALUE(scale_kind == "e4m3", "scale_kind='", scale_kind, "'; allowed: fp32, e8m0, e4m3");
+        args.scale_kind = fpq::LinearScale::kE4m3;
+    }
+    TORCH_CHECK_TYPE(scales.scalar_type() == (args.scale_kind == fpq::LinearScale::kFp32 ? at::kFloat : at::kByte),
+                     "scales.dtype=", scales.scalar_type(), " does not match scale_kind='", scale_kind, "'");
+    const int64_t scale_rows = fpq::ceil_div(n, block_rows), scale_cols = fpq::ceil_div(k, g);
+    TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == scale_rows && scales.size(1) == scale_cols &&
+                          scales.is_contiguous(),
+                      "scales must be contiguous with shape (", scale_rows, ", ", scale_cols, "), got ", scales.sizes());
+    if (bias.has_value()) {
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n && bias->is_cpu(), "bias must be a CPU tensor of "
+                          "shape (", n, "), got ", bias->sizes());
+    }
+    args.scales = scales.data_ptr();
+    args.block_rows = block_rows;
+    args.scale_cols = scale_cols;
+    args.tensor_scale = static_cast<float>(tensor_scale);
+    args.weight_dtype = parse_dtype(x.scalar_type(), "x");
+    args.codes = codes.data_ptr<uint8_t>();
+    args.m = m;
+    args.n = n;
+    args.k = k;
+    args.group_size = g;
+    args.row_bytes = rb;
+    if (m == 0 || n == 0) { return at::zeros({m, n}, x.options()); }
+    if (k == 0) {
+        auto y = at::zeros({m, n}, x.options());
+        return bias.has_value() ? y.add_(bias->to(x.scalar_type())) : y;
+    }
+    if (m <= small_m) {
+        const int64_t k_padded = fpq::ceil_div(k, 16) * 16;
+        auto x32 = at::zeros({m, k_padded}, x.options().dtype(at::kFloat));
+        x32.narrow(1, 0, k).copy_(x);
+        auto y32 = at::empty({m, n}, x32.options());
+        args.x = x32.data_ptr<float>();
+        args.y = y32.data_ptr<float>();
+        fpq::linear_cpu(fmt, args);
+        if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }
+        return y32.to(x.scalar_type());
+    }
+    // y^T, one panel of rows of W at a time: yT[n0:n1] = bias[n0:n1] + W[n0:n1] @ x^T
+    auto yT = at::empty({n, m}, x.options());
+    const int64_t rows = std::max<int64_t>(1, std::min(n, panel_bytes / std::max<int64_t>(1, k * x.element_size())));
+    auto panel = at::empty({rows, k}, x.options());
+    const at::Tensor xt = x.t();
+    for (int64_t n0 = 0; n0 < n; n0 += rows) {
+        const int64_t n1 = std::min(n, n0 + rows);
+        auto w = panel.narrow(0, 0, n1 - n0);
+        fpq::decode_rows_cpu(fmt, args, n0, n1, w.data_ptr());
+        auto out = yT.narrow(0, n0, n1 - n0);
+        if (bias.has_value()) {
+            at::addmm_out(out, bias->narrow(0, n0, n1 - n0).to(x.scalar_type()).unsqueeze(1).expand({n1 - n0, m}), w,
+                          xt);
+        } else {
+            at::mm_out(out, w, xt);
+        }
+    }
+    return yT.t().contiguous();
+}
+
 // Philox4x32-10 on one counter and key (the known-answer test calls it).
 std::vector<uint32_t> philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1)
 {
@@ -220,6 +308,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("seed") = 0, py::arg("offset") = 0, py::arg("e8m0") = "");
     m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
+    m.def("linear", &linear, "y = x @ dequant(W)^T + bias on the CPU (decoded on the fly)", py::arg("x"),
+          py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
+          py::arg("bias"), py::arg("fmt"), py::arg("group_size"), py::arg("small_m"), py::arg("panel_bytes"));
     m.def("format_table", &format_table, "the C++ format traits");
     m.def("philox4x32_10", &philox, "Philox4x32-10 of one counter (c0..c3) and key (k0, k1)");
 #if defined(FPQ_WITH_CUDA)

@@ -38,6 +38,30 @@ struct DequantizeArgs {
     int64_t group_size = 1;
 };
 
+// How LinearArgs::scales holds the group scales (SPEC 3): fp32 values, E8M0 bytes (3.2), or NVFP4's
+// e4m3 codes times LinearArgs::tensor_scale (3.4).
+enum class LinearScale : int { kFp32 = 0, kE8m0 = 1, kE4m3 = 2 };
+
+// y = x @ dequant(W)^T for W (n, k) in the row layout (groups of group_size along k). The scale of
+// group g of row r is scales[(r / block_rows) * scale_cols + g]: block_rows = 1 for row groups, Br
+// for 2-D blocks (Bc = group_size). Decoded weights are rounded to weight_dtype (SPEC 5).
+struct LinearArgs {
+    const float* x = nullptr;        // (m, k) fp32, rows zero-padded to a multiple of 16 columns
+    const uint8_t* codes = nullptr;  // (n, row_bytes)
+    const void* scales = nullptr;    // see LinearScale
+    LinearScale scale_kind = LinearScale::kFp32;
+    int64_t block_rows = 1;
+    int64_t scale_cols = 0;
+    float tensor_scale = 1.0f;
+    float* y = nullptr;              // (m, n) fp32 output
+    DType weight_dtype = DType::kFloat32;
+    int64_t m = 0;
+    int64_t n = 0;
+    int64_t k = 0;
+    int64_t group_size = 1;
+    int64_t row_bytes = 0;
+};
+
 constexpr const char* kSupportedFormats = "e4m3, e5m2, e3m2, e2m3, e2m1, e4m7";
 
 // The one dispatch point: calls fn(Traits{}) for the format, raises on anything else.
@@ -71,6 +95,11 @@ decltype(auto) dispatch_dtype(DType dtype, Fn&& fn)
 // CPU kernels (fp_quantize_cpu.cpp), OpenMP over groups.
 void quantize_cpu(Format fmt, const QuantizeArgs& args);
 void dequantize_cpu(Format fmt, const DequantizeArgs& args);
+
+// Fused dequantize-matmul (fp_linear_cpu.cpp): y (fp32) for small m; and the rows n0 .. n1-1 of
+// W decoded into `out` ((n1 - n0, k) of weight_dtype), the panels of the large-m path.
+void linear_cpu(Format fmt, const LinearArgs& args);
+void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
 // CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream);

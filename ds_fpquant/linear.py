@@ -1,0 +1,125 @@
+"""``linear(x, qt, bias)``: ``y = x @ dequantize(W)^T + bias`` without a full-precision copy of ``W``.
+
+On CPU tensors with the compiled op the weight is decoded from its packed codes on the fly
+(``csrc/fp_quantizer/fp_linear_cpu.cpp``): for few rows of ``x`` (token-by-token decoding) a fused
+kernel streams the codes once, all rows of ``x`` per pass, accumulating in fp32; for many rows
+(prefill) cache-sized panels of decoded rows go through torch's matmul in ``x``'s dtype. Elsewhere
+(CUDA tensors, the torch backend) it is ``F.linear(x, dequantize(W, x.dtype), bias)``.
+
+Numerics (SPEC 5): every path multiplies by the same weights, ``dequantize(W, x.dtype)``
+(``fl(decode(q) * s)`` rounded to ``x``'s dtype); the results differ from
+``F.linear(x, dequantize(W, x.dtype), bias)`` only in the order of the fp32 sums (and, in the fused
+kernel, one rounding of the fp32 result to ``x``'s dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import backends, checks
+from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize
+
+__all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
+
+#: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
+#: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
+#: matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not.
+SMALL_M = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+#: Bytes of one panel of decoded weight rows in the large-M path (about a core's L2 cache).
+PANEL_BYTES = 2 * 2**20
+
+
+def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
+    """(scales as stored, 2-D; their kind for the op; weight rows per scale row; NVFP4 tensor scale)."""
+    n, k = qt.shape
+    if qt.fmt == "nvfp4":
+        kind = "e4m3"
+    else:
+        kind = qt.scale_format
+    block_rows = qt.block[0] if qt.block is not None else 1
+    scales = qt.scales.reshape(-(-n // block_rows), -1).contiguous()
+    tensor_scale = float(qt.tensor_scale) if qt.tensor_scale is not None else 1.0
+    return scales, kind, block_rows, tensor_scale
+
+
+def _check(x, qt, bias, backend) -> None:
+    checks.check_tensor("x", x)
+    _check_quantized(qt)
+    checks.check_choice("backend", backend, BACKENDS)
+    if len(qt.shape) != 2 or qt.grouping != "row":
+        raise ValueError(f"qt must hold a 2-D (out_features, in_features) weight with row grouping or 2-D blocks; "
+                         f"got shape {tuple(qt.shape)}, grouping={qt.grouping!r}")
+    if x.dim() < 1 or x.shape[-1] != qt.shape[1]:
+        raise ValueError(f"x has shape {tuple(x.shape)}; its last dim must be in_features={qt.shape[1]}")
+    checks.check_device("qt.codes", qt.codes, x.device)
+    if bias is not None:
+        checks.check_tensor("bias", bias)
+        if tuple(bias.shape) != (qt.shape[0],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({qt.shape[0]},)")
+        checks.check_device("bias", bias, x.device)
+
+
+def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    scales, kind, block_rows, tensor_scale = _scale_layout(qt)
+    codes = qt.codes.view(torch.uint8).reshape(qt.shape[0], -1).contiguous()
+    b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
+    return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
+                     SMALL_M[x2.dtype], PANEL_BYTES)
+
+
+class _FusedLinear(torch.autograd.Function):
+    """Forward through the fused op; backward through the dequantized weight (the weight is frozen:
+    no gradient for it, as for DeepSpeed's quantized base weights under LoRA)."""
+
+    @staticmethod
+    def forward(ctx, x2, bias, op, qt):
+        ctx.qt = qt
+        ctx.has_bias = bias is not None
+        return _fused(op, x2, qt, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y @ dequantize(ctx.qt, grad_y.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad_y.sum(0)
+        return grad_x, grad_bias, None, None
+
+
+def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           backend: str = "auto") -> torch.Tensor:
+    """``y = x @ dequantize(qt, x.dtype)^T + bias`` with the weight decoded on the fly.
+
+    Args:
+        x: fp32 / fp16 / bf16 activations ``(..., in_features)``, any strides.
+        qt: the quantized weight, ``qt.shape == (out_features, in_features)``, row grouping or 2-D
+            blocks; any element format, fp32 or E8M0 scales, or NVFP4.
+        bias: optional ``(out_features,)`` tensor; added in fp32 before the one rounding to ``x``'s dtype
+            (fused kernel) or by the matmul (panels, other devices).
+        backend: ``"auto"`` (the compiled CPU op for CPU tensors, else dequantize + ``F.linear``),
+            ``"cpu"``, ``"cuda"`` or ``"torch"`` (dequantize with the torch reference + ``F.linear``).
+
+    Returns:
+        ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
+        ``bias``); the quantized weight gets no gradient.
+
+    Raises:
+        TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
+    """
+    _check(x, qt, bias, backend)
+    impl = backends.resolve(backend, x.device)
+    if impl is backends.TORCH or x.device.type != "cpu":
+        weight = dequantize(qt, x.dtype, backend=backend)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    n, k = qt.shape
+    x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _FusedLinear.apply(x2, bias, impl, qt)
+    else:
+        y = _fused(impl, x2, qt, bias)
+    return y.reshape(*x.shape[:-1], n)
