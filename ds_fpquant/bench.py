@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import backends
+from . import backends, bench_linear
 from .api import dequantize, quantize
 from .formats import FORMATS
 
@@ -182,12 +182,17 @@ def main(argv=None) -> int:
     parser.add_argument("--group-sizes", type=int, nargs="+", help="group sizes G")
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per case (median reported)")
     parser.add_argument("--json", metavar="PATH", help="also write the results and environment as JSON")
+    bench_linear.add_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: the folder does not exist")
+    if args.linear:
+        return bench_linear.main(args, parser)
     sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else DEFAULT_SIZES_MIB)
     groups = args.group_sizes or (QUICK_GROUPS if args.quick else DEFAULT_GROUPS)
     min_mib = 2 * ROW / MIB  # one row of bf16
@@ -196,8 +201,6 @@ def main(argv=None) -> int:
         parser.error(f"--sizes {bad_sizes}: each size must be between {min_mib:g} and {MAX_MIB} MiB")
     if any(g < 1 for g in groups):
         parser.error(f"--group-sizes {list(groups)}: group sizes must be >= 1")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json {args.json}: the folder does not exist")
     results = run(device, sizes, args.formats, groups, repeat=args.repeat)
     env = environment(device)
     print(", ".join(f"{k}: {v}" for k, v in env.items()))

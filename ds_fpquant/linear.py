@@ -28,7 +28,7 @@ __all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
 #: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
 #: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
 #: matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not.
-SMALL_M = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+SMALL_M = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 8}
 #: Bytes of one panel of decoded weight rows in the large-M path (about a core's L2 cache).
 PANEL_BYTES = 2 * 2**20
 
@@ -123,3 +123,69 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     else:
         y = _fused(impl, x2, qt, bias)
     return y.reshape(*x.shape[:-1], n)
+
+
+class QuantizedWeight(torch.Tensor):
+    """An ``(out, in)`` weight held as codes + scales, standing in for ``module.weight`` in layers whose
+    forward is ``torch.matmul(x, self.weight.transpose(-1, -2))`` or ``F.linear(x, self.weight)``
+    (DeepSpeed's AutoTP ``LinearLayer`` / ``LinearAllreduce``): those calls run :func:`linear` (the
+    fused op on CPU tensors). Any other use of the tensor sees ``dequantize(qt, dtype)``.
+
+    A tensor subclass without storage (``torch.Tensor._make_wrapper_subclass``): shape, dtype and
+    device are the dequantized weight's.
+    """
+
+    @staticmethod
+    def __new__(cls, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False):
+        n, k = qt.shape
+        self = torch.Tensor._make_wrapper_subclass(cls, (k, n) if transposed else (n, k), dtype=dtype,
+                                                   device=qt.codes.device, requires_grad=False)
+        # plain attributes: the Tensor properties (dtype, shape) of a subclass go through __torch_function__
+        self.qt, self.backend, self.transposed, self.weight_dtype = qt, backend, transposed, dtype
+        return self
+
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False):
+        super().__init__()
+
+    def __repr__(self, *, tensor_contents=None):
+        n, k = self.qt.shape
+        return (f"QuantizedWeight(shape={(k, n) if self.transposed else (n, k)}, dtype={self.weight_dtype}, "
+                f"fmt={self.qt.fmt})")
+
+    def dequantized(self) -> torch.Tensor:
+        w = dequantize(self.qt, self.weight_dtype, backend=self.backend)
+        return w.t() if self.transposed else w
+
+    def _flipped(self) -> "QuantizedWeight":
+        return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed)
+
+    @classmethod
+    def _dense(cls, value):
+        return value.dequantized() if isinstance(value, cls) else value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.transpose, torch.transpose) and isinstance(args[0], cls) and not kwargs:
+            if sorted(d % 2 for d in args[1:3]) == [0, 1]:
+                return args[0]._flipped()
+        if func in (torch.Tensor.t, torch.t) and isinstance(args[0], cls):
+            return args[0]._flipped()
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) == 2 and not kwargs:
+            x, w = args
+            if isinstance(w, cls) and w.transposed and isinstance(x, torch.Tensor) and not isinstance(x, cls):
+                return linear(x, w.qt, backend=w.backend)
+        if func is F.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if not isinstance(args[0], cls) and not isinstance(bias, cls):
+                return linear(args[0], args[1].qt, bias, backend=args[1].backend)
+        args = torch.utils._pytree.tree_map(cls._dense, args)
+        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args = torch.utils._pytree.tree_map(cls._dense, args)
+        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs or {})
+        return func(*args, **kwargs)

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .api import QuantizedTensor, quantize
+from .linear import QuantizedWeight
 from .linear import linear as fused_linear
 
 __all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized"]
@@ -123,8 +124,9 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     For layers that are not plain ``nn.Linear`` but use ``self.weight`` in their forward, such as
     DeepSpeed's AutoTP ``LinearLayer`` / ``LinearAllreduce`` (each rank quantizes its own shard).
     The ``weight`` parameter is replaced by the buffers ``weight_codes`` and ``weight_scales``; a
-    forward pre-hook puts the dequantized weight (``compute_dtype``, default: the input's dtype) in
-    place and a forward hook drops it again. Returns the bytes of the stored weight.
+    forward pre-hook puts a :class:`~ds_fpquant.linear.QuantizedWeight` (``compute_dtype``, default:
+    the input's dtype) in place, whose ``matmul`` / ``F.linear`` run the fused op without a dequantized
+    copy, and a forward hook drops it again. Returns the bytes of the stored weight.
     """
     weight = module.weight
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -143,7 +145,7 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
         view = _weight_view(mod, meta["shape"], meta["dtype"], meta["fmt"], meta["group_size"], meta["scale_format"],
                             meta["block"])
-        mod.weight = view.dequantize(dtype, backend=meta["backend"])
+        mod.weight = QuantizedWeight(view, dtype, meta["backend"])  # matmul / F.linear run the fused op
 
     def release(mod, args, output):
         mod.weight = None

@@ -40,11 +40,20 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     exact = all(
         torch.equal(m.weight_codes, fpq.quantize(shards[n], "e4m3", 16, backend="torch").codes)
         for n, m in layers.items())
-    logits = engine(ids).logits
+    import ds_fpquant.api
+    import ds_fpquant.linear
+    dense, calls = ds_fpquant.api.dequantize, []
+    for module in (ds_fpquant.api, ds_fpquant.linear):  # count whole-weight dequantizes, wherever called from
+        module.dequantize = lambda *a, **k: calls.append(1) or dense(*a, **k)
+    with torch.no_grad():
+        logits = engine(ids).logits
+    for module in (ds_fpquant.api, ds_fpquant.linear):
+        module.dequantize = dense
     generated = engine.module.generate(ids, max_new_tokens=3, do_sample=False)
     cos = torch.nn.functional.cosine_similarity(logits.flatten(), ref_logits.flatten(), dim=0).item()
     result = dict(rank=rank, layers=len(layers), quantized=sum(is_weight_quantized(m) for m in layers.values()),
-                  exact=exact, cos=cos, generated=list(generated.shape), weight_released=all(
+                  exact=exact, cos=cos, generated=list(generated.shape), dequantized_in_forward=len(calls),
+                  weight_released=all(
                       m.weight is None for m in layers.values()))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)

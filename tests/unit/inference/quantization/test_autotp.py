@@ -1,5 +1,6 @@
 """``ds_fpquant.init_inference`` with AutoTP (tp_size 2, two gloo processes on CPU): DeepSpeed shards
-the linears first, then each rank quantizes its shards in place."""
+the linears first, then each rank quantizes its shards in place; DeepSpeed's forward then multiplies
+through the fused op (a QuantizedWeight stands in for the weight), never a dequantized copy."""
 
 import json
 import socket
@@ -28,4 +29,5 @@ def test_autotp_two_ranks(tmp_path):
         assert result["layers"] == 14 and result["quantized"] == 14  # 2 layers x (4 attention + 3 MLP)
         assert result["exact"], "each rank's codes are quantize(its shard)"
         assert result["cos"] > 0.999 and result["generated"] == [1, 11] and result["weight_released"]
+        assert result["dequantized_in_forward"] == 0, "the sharded layers multiply through the fused op"
     assert results[0]["cos"] == results[1]["cos"]  # the all-reduce gives both ranks the same logits

@@ -1,0 +1,157 @@
+"""The fused quantized linear (``ds_fpquant.linear.linear``, the CPU op's ``linear``) against an fp64
+reference of ``x @ dequantize(W, x.dtype)^T + b``.
+
+Every path multiplies by the SPEC 5 weights in ``x``'s dtype; only the fp32 summation order differs
+(plus one rounding to ``x``'s dtype), so the bound is ``2 K eps32 sum|x||w|`` plus the output
+dtype's rounding error (relative, or half its smallest subnormal). M covers the fused kernel (M <= SMALL_M) and the panel path; K covers ragged rows
+(not a multiple of G, of 16 or of the pack unit) and groups that do not start on 16 codes.
+"""
+
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant import linear as linear_module
+from ds_fpquant.linear import SMALL_M, linear
+from ds_fpquant.module import FPQuantizedLinear
+from unit.oracle import assert_bitwise_equal
+
+EPS_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+#: Half the output dtype's smallest subnormal: the absolute rounding error of a tiny result.
+TINY_OUT = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+TOKENS = (1, 2, 3, 16, 17, 300)
+
+
+def _check(x, qt, bias, y):
+    """|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref| elementwise, NaN where the reference is NaN."""
+    w = fpq.dequantize(qt, x.dtype, backend="torch").double()
+    x64 = x.double().reshape(-1, w.shape[1])
+    ref = x64 @ w.T
+    size = x64.abs() @ w.abs().T
+    if bias is not None:
+        ref, size = ref + bias.double(), size + bias.double().abs()
+    y64 = y.double().reshape(ref.shape)
+    k = w.shape[1]
+    tol = 2 * k * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(y64), nan), "NaN positions differ from the reference"
+    err = (y64 - ref).abs()[~nan]
+    assert bool((err <= tol[~nan]).all()), f"max error {err.max().item():.3e} over bound {tol[~nan].max().item():.3e}"
+    assert y.dtype == x.dtype
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k).clamp(max=4)
+
+
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "e4m7"])
+@pytest.mark.parametrize("k,group_size", [(300, 128), (129, 16), (7, 3), (100, 100), (256, 32), (1, 1), (96, 48),
+                                          (40, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_element_formats_fp32_scales(fmt, k, group_size, m, dtype):
+    torch.manual_seed(m + k)
+    qt = fpq.quantize(_weight(37, k), fmt, group_size)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(37).to(dtype) if m % 2 else None
+    _check(x, qt, bias, linear(x, qt, bias))
+
+
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("k", [300, 64, 5])
+def test_presets_e8m0_and_nvfp4_scales(fmt, k, m):
+    torch.manual_seed(k)
+    qt = fpq.quantize(_weight(20, k, seed=k), fmt)
+    x = torch.randn(m, k).bfloat16()
+    _check(x, qt, None, linear(x, qt))
+
+
+@pytest.mark.parametrize("m", [1, 17, 300])
+@pytest.mark.parametrize("block,fmt,scale_format", [((128, 128), "e4m3", "fp32"), ((3, 16), "e2m1", "e8m0"),
+                                                    ((5, 7), "e3m2", "fp32"), ((1, 32), "e5m2", "e8m0")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_2d_blocks(block, fmt, scale_format, m, dtype):
+    qt = fpq.quantize(_weight(33, 300), fmt, block=block, scale_format=scale_format)
+    x = torch.randn(m, 300).to(dtype)
+    bias = torch.randn(33).to(dtype)
+    _check(x, qt, bias, linear(x, qt, bias))
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_3d_and_non_contiguous_inputs(m):
+    qt = fpq.quantize(_weight(24, 64), "e2m1", 32)
+    x = torch.randn(64, 3, m).transpose(0, 2)  # (m, 3, 64), non-contiguous
+    y = linear(x, qt)
+    assert y.shape == (m, 3, 24)
+    _check(x.contiguous(), qt, None, y)
+    neg = torch.randn(2, 64)._neg_view()  # a lazily negated view
+    _check(neg.resolve_neg(), qt, None, linear(neg, qt))
+
+
+def test_nan_groups_and_empty_inputs():
+    w = _weight(6, 40)
+    w[2, 5] = float("nan")  # e2m1 has no NaN code: the group's scale is NaN (SPEC 3.3)
+    qt = fpq.quantize(w, "e2m1", 16)
+    for m in (1, 300):
+        y = linear(torch.randn(m, 40), qt)
+        assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, [0, 1, 3, 4, 5]]).any()
+    assert linear(torch.randn(0, 40), qt).shape == (0, 6)
+    assert linear(torch.randn(2, 0, 40), qt).shape == (2, 0, 6)
+    empty = fpq.quantize(torch.randn(5, 0), "e4m3", 16)
+    bias = torch.randn(5)
+    assert_bitwise_equal(linear(torch.randn(3, 0), empty, bias), bias.expand(3, 5), "K = 0 gives the bias")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_torch_backend(dtype):
+    """The torch backend's F.linear(x, dequantize(W)) and the fused op agree within the bound."""
+    qt = fpq.quantize(_weight(50, 200), "e4m3", 64)
+    x = torch.randn(5, 200).to(dtype)
+    _check(x, qt, None, linear(x, qt, backend="torch"))
+    _check(x, qt, None, linear(x, qt, backend="cpu"))
+
+
+def test_backward_through_the_dequantized_weight():
+    """Gradients w.r.t. x (frozen quantized base, as under LoRA) and a trainable bias."""
+    qt = fpq.quantize(_weight(12, 48), "e3m2", 16)
+    x = torch.randn(3, 48, requires_grad=True)
+    bias = torch.randn(12, requires_grad=True)
+    y = linear(x, qt, bias)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w = fpq.dequantize(qt, torch.float32)
+    torch.testing.assert_close(x.grad, g @ w)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+
+
+def test_bad_arguments():
+    qt = fpq.quantize(_weight(4, 16), "e4m3", 8)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 15\); its last dim must be in_features=16"):
+        linear(torch.randn(2, 15), qt)
+    with pytest.raises(TypeError, match="x.dtype=torch.float64 is not supported"):
+        linear(torch.randn(2, 16).double(), qt)
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\); expected \(4,\)"):
+        linear(torch.randn(2, 16), qt, torch.randn(3))
+    with pytest.raises(ValueError, match="2-D .* weight with row grouping"):
+        linear(torch.randn(2, 64), fpq.quantize(torch.randn(64), "e4m3", 8, grouping="flat"))
+    with pytest.raises(TypeError, match="qt must be a ds_fpquant.QuantizedTensor"):
+        linear(torch.randn(2, 16), torch.randn(4, 16))
+
+
+def test_fpquantizedlinear_forward_uses_the_fused_op(monkeypatch):
+    """On CPU tensors the forward never dequantizes the whole weight (no-grad inference)."""
+    layer = FPQuantizedLinear.from_linear(torch.nn.Linear(64, 32), "e2m1", 32)
+    x = torch.randn(2, 64)
+    expected = layer(x)
+
+    def no_full_dequantize(*args, **kwargs):
+        raise AssertionError("forward dequantized the whole weight")
+
+    monkeypatch.setattr(linear_module, "dequantize", no_full_dequantize)
+    with torch.no_grad():
+        for m in (1, SMALL_M[torch.float32] + 1):
+            xm = torch.randn(m, 64)
+            _check(xm, layer.quantized_weight, layer.bias, layer(xm))
+        assert torch.equal(layer(x), expected)
