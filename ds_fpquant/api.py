@@ -352,9 +352,9 @@ def quantize(
             (so ``torch.manual_seed`` makes runs reproducible). Only with ``rounding="stochastic"``.
         offset: 64-bit counter offset: use a new one per call to get fresh random words.
         block: ``(Br, Bc)`` for 2-D block scaling of a 2-D tensor (weights, DeepSeek-V3 style
-            ``(128, 128)``): one scale per tile, edge tiles smaller; overrides ``group_size`` (codes are
-            laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``). Not with
-            ``"nvfp4"``.
+            ``(128, 128)``): one scale per tile, edge tiles smaller; the groups are then ``Bc`` wide (codes
+            are laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``), so
+            ``group_size`` is left out (or equals ``Bc``). Not with the presets.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -370,6 +370,11 @@ def quantize(
     Raises:
         TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
     """
+    if block is not None and group_size is not None:
+        bc = _check_block(block, None, "row")[1]
+        if checks.check_int("group_size", group_size, 1) != bc:
+            raise ValueError(f"block={tuple(block)!r} fixes the groups to Bc={bc} codes; got group_size={group_size} "
+                             f"(leave group_size out with block)")
     group_size, scale_format = resolve_preset(fmt, group_size, scale_format)
     offset = checks.check_u64("offset", offset)
     f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)

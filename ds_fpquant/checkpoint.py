@@ -619,8 +619,8 @@ def main(argv=None) -> int:
     scaling.add_argument("--block", nargs=2, type=int, metavar=("BR", "BC"),
                          help="2-D scale blocks (default 128 128 for element formats)")
     scaling.add_argument("--group-size", type=int, metavar="G", help="row groups of G along in_features instead")
-    parser.add_argument("--scale-format", choices=["fp32", "e8m0"],
-                        help="scale format (SPEC 3; default fp32, or the preset's own)")
+    parser.add_argument("--scale-format", choices=["fp32", "e8m0", "e4m3"],
+                        help="scale format (SPEC 3; default fp32, or the preset's own; e4m3 is nvfp4's)")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                         help="regular expression (re.search) of module names to keep unquantized; repeat for more "
                              "(embeddings and output heads are always kept)")

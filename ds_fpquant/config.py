@@ -35,7 +35,8 @@ SECTION = "fp_quantization"
 DEFAULT_EXCLUDE = ("lm_head", "embed_out", "output_layer", "embed_tokens", "word_embeddings", "wte", "wpe")
 
 Backend = Literal["auto", "cuda", "cpu", "torch"]
-ScaleFormat = Literal["fp32", "e8m0"]
+#: "e4m3" only with fmt "nvfp4" (its group scale codes, SPEC 3.4), where it is also the default.
+ScaleFormat = Literal["fp32", "e8m0", "e4m3"]
 Rounding = Literal["nearest", "stochastic"]
 ComputeDtype = Literal["fp32", "fp16", "bf16"]
 
@@ -126,13 +127,25 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             given = {k: v for k, v in override.model_dump(exclude={"enabled"}).items() if v is not None}
             if given.get("fmt") in PRESETS:  # a preset brings its own scaling
                 settings.update(group_size=None, block=None, scale_format=None)
+            if "block" in given:  # the override's blocks replace the section's groups, and back
+                settings["group_size"] = None
+            if "group_size" in given:
+                settings["block"] = None
             settings.update(given)
-        fmt = settings["fmt"]
-        if fmt in PRESETS and settings["block"] is not None:
+        fmt, block = settings["fmt"], settings["block"]
+        if fmt in PRESETS and block is not None:
             raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim; "
-                             f"block={settings['block']!r} cannot be combined with it")
+                             f"block={block!r} cannot be combined with it")
+        if block is not None:
+            if settings["group_size"] not in (None, block[1]):
+                raise ValueError(f"block={block!r} fixes the groups to Bc={block[1]} codes; got "
+                                 f"group_size={settings['group_size']} (give one of them)")
+            settings["group_size"] = block[1]
         settings["group_size"], settings["scale_format"] = resolve_preset(fmt, settings["group_size"],
                                                                           settings["scale_format"])
+        if fmt not in PRESETS and settings["scale_format"] not in ("fp32", "e8m0"):
+            raise ValueError(f"scale_format={settings['scale_format']!r} is only for fmt='nvfp4'; allowed for "
+                             f"fmt={fmt!r}: 'fp32', 'e8m0'")
         return settings
 
     def settings_for(self, name: str) -> Optional[Dict[str, Any]]:

@@ -253,6 +253,8 @@ def resolve_preset(fmt, group_size: Optional[int] = None, scale_format: Optional
 
     if group_size is not None:
         group_size = check_int("group_size", group_size, 1)
+    if scale_format is not None and not isinstance(scale_format, str):
+        raise TypeError(f"scale_format must be a str, got {type(scale_format).__name__} ({scale_format!r})")
     if not (isinstance(fmt, str) and fmt in PRESETS):
         return (DEFAULT_GROUP_SIZE if group_size is None else group_size,
                 DEFAULT_SCALE_FORMAT if scale_format is None else scale_format)

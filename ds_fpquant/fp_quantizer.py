@@ -135,7 +135,8 @@ class FP_Quantize(Quantizer):
         if scale is None:
             checks.check_byte_tensor("input_q", input_q, (num_groups, row))
             rows = input_q.view(torch.uint8).index_select(0, group_ids)
-            codes, scales = rows[:, :gbytes], rows[:, gbytes:].contiguous()
+            # an owning copy: the fp32 view needs 4-byte aligned scale bytes (a 1-row slice is "contiguous")
+            codes, scales = rows[:, :gbytes], rows[:, gbytes:].clone(memory_format=torch.contiguous_format)
         else:
             if f.bits != 8:
                 raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
@@ -240,7 +241,8 @@ class FP_Quantize(Quantizer):
 
         Only the groups that hold the selected slices are read and decoded (a slice of ``R`` elements
         touches ``R/G`` groups when ``G`` divides ``R``, at most ``ceil((R + G - 1) / G)`` otherwise), so
-        the work and the temporary memory scale with ``len(indexes)``, not with ``orig_shape[0]``. The
+        the work and the temporary memory scale with ``len(indexes)``, not with ``orig_shape[0]`` (a
+        selection that would touch as many elements as the whole tensor decodes it once instead). The
         result is bit-identical to the same rows of :meth:`dequantize` (SPEC 5).
 
         Args:
@@ -280,21 +282,25 @@ class FP_Quantize(Quantizer):
             self._check_fp_out(fp_out, math.prod(out_shape), input_q.device)
             dtype = fp_out.dtype  # round once, straight to the output dtype (SPEC 5)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
-        slice_numel, g = math.prod(shape[1:]), self.group_size
+        numel, slice_numel, g = math.prod(shape), math.prod(shape[1:]), self.group_size
+        span = slice_numel // g if slice_numel % g == 0 else -(-(slice_numel + g - 1) // g)
         if indexes.numel() == 0 or slice_numel == 0:
+            self._to_quantized(input_q, scale, f, numel, dtype)  # the buffer is checked all the same
             y = torch.empty(out_shape, dtype=dtype, device=input_q.device)
+        elif indexes.numel() * span * g >= numel:  # the selection covers as much as the whole tensor
+            full = dequantize(self._to_quantized(input_q, scale, f, numel, dtype), dtype)
+            y = full.reshape(shape).index_select(0, indexes.to(full.device).long())
         else:
             start = indexes.to(input_q.device, torch.int64) * slice_numel  # first element of each slice
             first_group = start // g
-            aligned = slice_numel % g == 0  # then every slice starts a group and spans R/G of them
-            span = slice_numel // g if aligned else -(-(slice_numel + g - 1) // g)
-            last = self._num_groups(math.prod(shape)) - 1
+            last = self._num_groups(numel) - 1
             group_ids = (first_group.unsqueeze(1) + torch.arange(span, device=start.device)).clamp_(max=last)
-            qt = self._selected_groups(input_q, scale, f, math.prod(shape), group_ids.reshape(-1), dtype)
+            qt = self._selected_groups(input_q, scale, f, numel, group_ids.reshape(-1), dtype)
             y = dequantize(qt, dtype).view(indexes.numel(), span * g)
-            if not aligned:  # each slice starts `start - first_group * G` elements into its first group
+            if slice_numel % g:  # each slice starts `start - first_group * G` elements into its first group
                 columns = (start - first_group * g).unsqueeze(1) + torch.arange(slice_numel, device=start.device)
-                y = y.gather(1, columns)
+                bits = {2: torch.int16, 4: torch.int32}[y.element_size()]  # gather the bits: NaNs stay as they are
+                y = y.view(bits).gather(1, columns).view(dtype)
             y = y.reshape(out_shape)
         if fp_out is None:
             return y

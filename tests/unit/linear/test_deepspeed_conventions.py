@@ -295,3 +295,43 @@ def test_vllm_deepspeedfp_moe(bits, dtype):
     assert_bitwise_equal(chosen.cpu(), w_loaded[top_k.long()].cpu(), "top-k experts")
     out = torch.empty(2, rows, cols, dtype=dtype, device=DEVICE)
     assert param.ds_selective_dequantize(top_k, fp_out=out) is out and torch.equal(out, chosen)
+
+
+@pytest.mark.parametrize("shape,group_size,q_bits", [((4, 5), 5, 8), ((4, 10), 10, 4), ((7,), 3, 6)])
+def test_selective_single_group_with_unaligned_scale_bytes(shape, group_size, q_bits):
+    """One selected group whose code bytes are not a multiple of 4: its scale bytes still read as fp32."""
+    q = FP_Quantize(group_size=group_size)
+    buf = q.quantize(torch.randn(shape).to(DEVICE), q_bits=q_bits)
+    got = q.selective_dequantize(buf, torch.tensor([2]), q_bits=q_bits)
+    assert_bitwise_equal(got.cpu(), q.dequantize(buf, q_bits=q_bits)[[2]].cpu(), "one selected group")
+
+
+def test_selective_keeps_bf16_nan_bits():
+    """Groups straddling the rows are cut by bits: a bf16 NaN stays the one pattern dequantize writes."""
+    q = FP_Quantize(group_size=4)
+    x = torch.randn(3, 5).bfloat16()
+    x[1, 0] = float("inf")
+    buf = q.quantize(x.to(DEVICE))
+    got = q.selective_dequantize(buf, torch.tensor([1, 0]))
+    assert_bitwise_equal(got.cpu(), q.dequantize(buf)[[1, 0]].cpu(), "bf16 NaN bits")
+
+
+def test_selective_of_small_slices_decodes_once(monkeypatch):
+    """Slices much smaller than a group: selecting many of them decodes the tensor once, not per slice."""
+    seen = []
+    real = fp_quantizer_module.dequantize
+    monkeypatch.setattr(fp_quantizer_module, "dequantize", lambda qt, *a, **k: seen.append(qt.shape.numel()) or
+                        real(qt, *a, **k))
+    q = FP_Quantize(group_size=512)
+    buf = q.quantize(torch.randn(2000, 3).to(DEVICE))
+    ids = torch.arange(2000).flip(0)
+    got = q.selective_dequantize(buf, ids)
+    assert seen == [6000]
+    assert_bitwise_equal(got.cpu(), q.dequantize(buf)[ids].cpu(), "all rows")
+
+
+def test_selective_checks_the_buffer_even_for_an_empty_selection():
+    q = FP_Quantize(group_size=8)
+    q.quantize(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"input_q has shape \(1,\); expected \(4, 12\)"):
+        q.selective_dequantize(torch.zeros(1, dtype=torch.uint8), torch.tensor([], dtype=torch.int64))

@@ -84,6 +84,15 @@ class TestConfig:
             with pytest.raises(ValueError, match=match):
                 load_config({"fp_quantization": section})
 
+    def test_blocks_and_groups_in_the_section_and_overrides(self):
+        cfg = FPQuantizationConfig(group_size=64, modules={"mlp": {"block": (32, 32)}, "attn": {"group_size": 16}})
+        assert cfg.settings_for("h.0.mlp.c_fc")["block"] == (32, 32) and cfg.settings_for("h.0.mlp.c_fc")["group_size"] == 32
+        assert cfg.settings_for("h.0.attn.c_attn")["block"] is None
+        blocks = FPQuantizationConfig(block=(128, 128), modules={"attn": {"group_size": 16}})
+        assert (blocks.settings_for("h.0.attn.c_attn")["group_size"], blocks.settings_for("h.0.attn.c_attn")["block"]) == (16, None)
+        nv = load_config({"fp_quantization": {"fmt": "nvfp4", "scale_format": "e4m3"}}).settings_for("mlp")
+        assert (nv["group_size"], nv["scale_format"]) == (16, "e4m3")
+
     def test_preset_from_linear_refuses_other_group_size(self):
         linear = torch.nn.Linear(64, 8)
         with pytest.raises(ValueError, match="fmt='mxfp4' fixes group_size=32; got group_size=128"):

@@ -48,3 +48,19 @@ def test_selective_dequantize_benchmark_script():
     bad = subprocess.run([sys.executable, str(script), "--top-k", "9", "--experts", "4"], capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode == 2 and "--top-k=9 is more than --experts=4" in bad.stderr
+
+
+def test_bench_linear_quick_rows():
+    """``ds-fpquant bench --linear --quick``: every impl row of every format, resident and model-sized."""
+    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--quick", "--repeat", "1",
+                          "--tokens", "1", "9", "--linear-formats", "e4m3", "nvfp4"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for impl in ("nn.Linear fp32 | -", "nn.Linear bf16 | -", "dequantize + matmul | e4m3", "fused | e4m3",
+                 "dequantize + matmul | nvfp4", "fused | nvfp4"):
+        for m in (1, 9):
+            assert f"| 512x512 | {m} | {impl} |" in run.stdout, run.stdout
+    assert "| 512x512 | - | copy_ bf16 weights |" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--linear-formats", "fp8"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "fmt='fp8' is not supported" in bad.stderr
