@@ -3,7 +3,7 @@
 // The weight is decoded from its packed codes on the fly, chunk by chunk, through the shared codec
 // (fp_codec.h) and never exists whole in full precision:
 //  * linear_cpu (small M, token-by-token decode): OpenMP over blocks of kRowBlock output features;
-//    each block decodes kChunk columns of its rows into an L1-sized fp32 buffer, then every row of x
+//    each block decodes its rows (whole rows up to kMaxChunk columns) into a buffer in L2, then every row of x
 //    multiplies it (AVX-512 FMA micro-kernel, a portable loop otherwise), so the codes stream from
 //    memory once per call whatever M is. fp32 accumulation.
 //  * decode_rows_cpu (large M, prefill): a panel of rows in the weight dtype, for torch's matmul.
@@ -27,10 +27,19 @@ namespace fpq {
 namespace {
 
 constexpr int64_t kLanes = 16;      // fp32 lanes of one AVX-512 vector; chunks are multiples of it
-constexpr int64_t kChunk = 512;     // columns decoded at a time (kRowBlock x kChunk fp32 = 16 KiB)
+constexpr int64_t kMaxChunk = 8192;  // columns decoded at a time: whole rows up to this (each row's codes
+                                     // then stream in order, which the hardware prefetchers follow)
 constexpr int64_t kRowBlock = 8;    // output features per work item
 constexpr int64_t kTileM = 4;       // micro-kernel tile: kTileM rows of x ...
 constexpr int64_t kTileN = 4;       // ... times kTileN rows of W
+constexpr int64_t kPad = 32;        // x rows and decoded chunks are zero-padded to a multiple of this
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FPQ_BF16_DOT 1
+constexpr bool kStagesBf16 = true;
+#else
+constexpr bool kStagesBf16 = false;
+#endif
 
 // The scale of group g of weight row n (SPEC 3.1, 3.2, 3.4; 2-D blocks: one scale row per Br rows).
 inline float scale_at(const LinearArgs& a, int64_t n, int64_t g)
@@ -235,7 +244,41 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                     store_exact<W, Out>(_mm512_permutexvar_ps(fast.codes16(row, c), weights), dst + (c - k0));
                 }
             } else {
-                for (int64_t c = k0; c < c1; c += 16) {
+                int64_t c = k0;
+#if defined(FPQ_BF16_DOT)
+                if constexpr (std::is_same_v<W, Bf16> && std::is_same_v<Out, Bf16>) {
+                    // Two runs at a time, rounded to bf16 by one vcvtne2ps2bf16 (RNE; it reads subnormal
+                    // inputs as 0, so a group whose products may be subnormal, s < kSafe, rounds exactly)
+                    const float safe = bits_f32(kScaleFloorBits) / bits_f32(F::kSubnormalStepBits);
+                    bool exact = !(scale_at(a, n, g) >= safe);
+                    for (; c + 32 <= c1; c += 32) {
+                        if (c >= next) {
+                            ++g;
+                            next += g_size;
+                            const float s = scale_at(a, n, g);
+                            scale = _mm512_set1_ps(s);
+                            exact = !(s >= safe) && !std::isnan(s);
+                        }
+                        const __m512 v0 = _mm512_mul_ps(fast.decode16(row, c), scale);
+                        bool exact1 = exact;
+                        if (c + 16 >= next) {
+                            ++g;
+                            next += g_size;
+                            const float s = scale_at(a, n, g);
+                            scale = _mm512_set1_ps(s);
+                            exact = !(s >= safe) && !std::isnan(s);
+                        }
+                        const __m512 v1 = _mm512_mul_ps(fast.decode16(row, c + 16), scale);
+                        if (exact || exact1) {
+                            store_weights<W, Out>(v0, dst + (c - k0));
+                            store_weights<W, Out>(v1, dst + (c + 16 - k0));
+                        } else {
+                            _mm512_storeu_si512(dst + (c - k0), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+                        }
+                    }
+                }
+#endif
+                for (; c < c1; c += 16) {
                     if (c >= next) {
                         ++g;
                         next += g_size;
@@ -278,10 +321,10 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
 }
 
 // acc[mi][ri][lane] += x[m0+mi][k0 + c] * w[r0+ri][c] over the chunk's columns c, lanes c % 16.
-// x rows have stride x_stride (zero-padded to a multiple of 16 columns), w rows stride kChunk.
+// x rows have stride x_stride (zero-padded to a multiple of 32 columns), w rows stride w_stride.
 template <int64_t kM, int64_t kN>
-inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* __restrict w, int64_t columns,
-                     float* __restrict acc)
+inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* __restrict w, int64_t w_stride,
+                     int64_t columns, float* __restrict acc)
 {
 #if defined(__AVX512F__)
     __m512 sum[kM][kN];
@@ -290,7 +333,7 @@ inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* _
     }
     for (int64_t c = 0; c < columns; c += kLanes) {
         __m512 wv[kN];
-        for (int64_t j = 0; j < kN; ++j) { wv[j] = _mm512_loadu_ps(w + j * kChunk + c); }
+        for (int64_t j = 0; j < kN; ++j) { wv[j] = _mm512_loadu_ps(w + j * w_stride + c); }
         for (int64_t i = 0; i < kM; ++i) {
             const __m512 xv = _mm512_loadu_ps(x + i * x_stride + c);
             for (int64_t j = 0; j < kN; ++j) { sum[i][j] = _mm512_fmadd_ps(xv, wv[j], sum[i][j]); }
@@ -305,7 +348,7 @@ inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* _
             for (int64_t j = 0; j < kN; ++j) {
                 float* lane = acc + (i * kRowBlock + j) * kLanes;
                 for (int64_t l = 0; l < kLanes; ++l) {  // vectorized: one lane per element
-                    lane[l] += x[i * x_stride + c + l] * w[j * kChunk + c + l];
+                    lane[l] += x[i * x_stride + c + l] * w[j * w_stride + c + l];
                 }
             }
         }
@@ -313,14 +356,40 @@ inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* _
 #endif
 }
 
-template <int64_t kM>
-inline void tile_fma_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t columns, float* acc)
+#if defined(FPQ_BF16_DOT)
+// The same tile with bf16 x and w: vdpbf16ps multiplies 32 bf16 pairs exactly and adds them to fp32
+// lanes (the CPU's bf16 dot product, as torch's own bf16 matmuls here; it reads bf16 subnormals as 0).
+template <int64_t kM, int64_t kN>
+inline void tile_fma(const Bf16* __restrict x, int64_t x_stride, const Bf16* __restrict w, int64_t w_stride,
+                     int64_t columns, float* __restrict acc)
+{
+    __m512 sum[kM][kN];
+    for (int64_t i = 0; i < kM; ++i) {
+        for (int64_t j = 0; j < kN; ++j) { sum[i][j] = _mm512_loadu_ps(acc + (i * kRowBlock + j) * kLanes); }
+    }
+    for (int64_t c = 0; c < columns; c += 2 * kLanes) {
+        __m512bh wv[kN];
+        for (int64_t j = 0; j < kN; ++j) { wv[j] = (__m512bh)_mm512_loadu_si512(w + j * w_stride + c); }
+        for (int64_t i = 0; i < kM; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + c);
+            for (int64_t j = 0; j < kN; ++j) { sum[i][j] = _mm512_dpbf16_ps(sum[i][j], xv, wv[j]); }
+        }
+    }
+    for (int64_t i = 0; i < kM; ++i) {
+        for (int64_t j = 0; j < kN; ++j) { _mm512_storeu_ps(acc + (i * kRowBlock + j) * kLanes, sum[i][j]); }
+    }
+}
+#endif
+
+template <int64_t kM, class Stage>
+inline void tile_fma_rows(int64_t rows, const Stage* x, int64_t x_stride, const Stage* w, int64_t w_stride,
+                          int64_t columns, float* acc)
 {
     switch (rows) {
-        case 4: tile_fma<kM, 4>(x, x_stride, w, columns, acc); break;
-        case 3: tile_fma<kM, 3>(x, x_stride, w, columns, acc); break;
-        case 2: tile_fma<kM, 2>(x, x_stride, w, columns, acc); break;
-        default: tile_fma<kM, 1>(x, x_stride, w, columns, acc); break;
+        case 4: tile_fma<kM, 4>(x, x_stride, w, w_stride, columns, acc); break;
+        case 3: tile_fma<kM, 3>(x, x_stride, w, w_stride, columns, acc); break;
+        case 2: tile_fma<kM, 2>(x, x_stride, w, w_stride, columns, acc); break;
+        default: tile_fma<kM, 1>(x, x_stride, w, w_stride, columns, acc); break;
     }
 }
 
@@ -332,43 +401,304 @@ template <class F>
 struct Decoder {};
 #endif
 
-template <class F, class W>
-void linear_rows(const LinearArgs& a)
+#if defined(FPQ_BF16_DOT) && defined(__AVX512VBMI__)
+#define FPQ_DIRECT_BF16 1
+constexpr int64_t kDirectMaxM = 8;
+
+// 16 bf16 words round_to<Bf16>(v) (exact RNE with subnormals, the codec's NaN).
+inline __m256i bf16_words(__m512 v)
 {
-    const Decoder<F> fast;
-    const int64_t blocks = ceil_div(a.n, kRowBlock);
-    const int64_t k_padded = ceil_div(a.k, kLanes) * kLanes;
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_to<Bf16>(v)), 16));
+}
+
+// Register path for bf16 x, few rows and groups of a multiple of 16 codes: each step of 32 codes
+// becomes 32 bf16 weights in a register, multiplied into the fp32 accumulators by vdpbf16ps with no
+// buffer in between. The weights are round_to<Bf16>(decode(q) * s), as everywhere else.
+template <class F>
+struct DirectWeights {
+    const LinearArgs& a;
+    const FastDecoder<F>& fast;
+    const uint8_t* row = nullptr;
+    int64_t n = 0;
+    // group of code `cursor` and where the next group starts (codes are visited in order; no division)
+    int64_t group = 0, next = 0;
+    // 4-bit: the bf16 values of the 16 codes of the last two groups seen
+    int64_t table_group[2] = {-1, -1};
+    __m256i table_words[2];
+    const float safe = bits_f32(kScaleFloorBits) / bits_f32(F::kSubnormalStepBits);
+
+    inline __m256i group_table(int half, int64_t g)
+    {
+        if (table_group[half] != g) {
+            if (table_group[1 - half] == g) {
+                table_words[half] = table_words[1 - half];
+            } else {
+                table_words[half] = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scale_at(a, n, g))));
+            }
+            table_group[half] = g;
+        }
+        return table_words[half];
+    }
+
+    void start_row(int64_t row_index)
+    {
+        n = row_index;
+        row = a.codes + n * a.row_bytes;
+        group = 0;
+        next = a.group_size;
+        table_group[0] = table_group[1] = -1;
+    }
+
+    inline int64_t group_of(int64_t c)  // c never decreases within a row
+    {
+        while (c >= next) {
+            ++group;
+            next += a.group_size;
+        }
+        return group;
+    }
+
+    // -- groups of a multiple of 32 codes: one table (4-bit) or scale (8-bit) per group ---------------
+    __m512i uniform_table;
+    __m512 uniform_scale;
+    bool uniform_fast = true;
+
+    inline void enter_group(int64_t g)
+    {
+        const float s = scale_at(a, n, g);
+        if constexpr (F::kBits == 4) {
+            const __m256i words = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(s)));
+            uniform_table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+        } else {
+            // decode32 gives value * 2^-8 for e4m3 (fp16 fields); fold the 2^8 into the scale when exact
+            const float factor = F::kEbits == 4 ? 256.0f : 1.0f;
+            const float folded = mul_rn(s, factor);
+            uniform_fast = s >= safe && folded <= bits_f32(0x7f7fffffu);
+            uniform_scale = _mm512_set1_ps(uniform_fast ? folded : s);
+        }
+    }
+
+    // 4-bit codes c .. c+31 as 32 words, in order.
+    static inline __m512i codes32_4bit(const uint8_t* row, int64_t c)
+    {
+        const __m512i bytes = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+        // word i holds byte i/2 twice; even words keep its low nibble, odd words its high one
+        const __m512i spread = _mm512_permutexvar_epi8(
+            _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11, 11, 11, 10, 10, 10,
+                            10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2,
+                            2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+            bytes);
+        const __m512i shift = _mm512_set1_epi32(0x00040000);  // 0 for even words, 4 for odd ones
+        return _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi16(0xf));
+    }
+
+    // 8-bit codes c .. c+31 as IEEE fp16 patterns (e5m2: exact; e4m3: value * 2^-8 with the NaN
+    // magnitude 0x7f reported in `nan`), 32 lanes at a time.
+    static inline __m512i half32_8bit(const uint8_t* row, int64_t c, __mmask32& nan)
+    {
+        const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+        if constexpr (F::kEbits == 5) {
+            nan = 0;
+            return _mm512_slli_epi16(code, 8);
+        } else {
+            const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+            nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f));
+            const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8);
+            return _mm512_or_si512(_mm512_slli_epi16(magnitude, 7), sign);
+        }
+    }
+
+    // Weights of codes c .. c+31 inside the group of the last enter_group().
+    inline __m512i uniform32(int64_t c)
+    {
+        if constexpr (F::kBits == 4) {
+            return _mm512_permutexvar_epi16(codes32_4bit(row, c), uniform_table);
+        } else {
+            if (!uniform_fast) { return weights32(c); }
+            __mmask32 nan;
+            const __m512i half = half32_8bit(row, c, nan);
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), uniform_scale);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), uniform_scale);
+            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            return _mm512_mask_mov_epi16(w, nan, _mm512_set1_epi16(0x7fc0));
+        }
+    }
+
+    // Weights of codes c .. c+31 (c a multiple of 32, all inside the row's full groups).
+    inline __m512i weights32(int64_t c)
+    {
+        const int64_t g_lo = group_of(c), g_hi = group_of(c + 16);
+        if constexpr (F::kBits == 4) {
+            const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(group_table(0, g_lo)),
+                                                     group_table(1, g_hi), 1);
+            const __m512i bytes = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+            // word i holds byte i/2 twice; even words keep its low nibble, odd words its high one
+            const __m512i spread = _mm512_permutexvar_epi8(
+                _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11, 11, 11, 10, 10,
+                                10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3,
+                                2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                bytes);
+            const __m512i shift = _mm512_set1_epi32(0x00040000);  // 0 for even words, 4 for odd ones
+            const __m512i code = _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi16(0xf));
+            // upper 16 lanes read the second half of the table
+            return _mm512_permutexvar_epi16(_mm512_or_si512(code, _mm512_set_epi64(
+                0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL, 0, 0, 0, 0)),
+                table);
+        } else {
+            const float s_lo = scale_at(a, n, g_lo), s_hi = g_hi == g_lo ? s_lo : scale_at(a, n, g_hi);
+            const __m512 v_lo = _mm512_mul_ps(fast.decode16(row, c), _mm512_set1_ps(s_lo));
+            const __m512 v_hi = _mm512_mul_ps(fast.decode16(row, c + 16), _mm512_set1_ps(s_hi));
+            if (s_lo >= safe && s_hi >= safe) {  // no subnormal product: one vcvtne2ps2bf16 (RNE) for both
+                return (__m512i)_mm512_cvtne2ps_pbh(v_hi, v_lo);
+            }
+            return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_words(v_lo)), bf16_words(v_hi), 1);
+        }
+    }
+};
+
+template <class F, int64_t kM>
+void linear_rows_direct(const LinearArgs& a)
+{
+    const FastDecoder<F> fast;
+    const int64_t k_padded = ceil_div(a.k, kPad) * kPad;
+    const int64_t full = a.k / 32 * 32;
+    const Bf16* xs = static_cast<const Bf16*>(a.x);
 #pragma omp parallel
     {
         const ScopedIeeeDenormals ieee;
-        std::vector<float> wbuf(size_t(kRowBlock * kChunk), 0.0f);
-        std::vector<uint32_t> codes(size_t(kChunk + 8));
+        alignas(64) Bf16 tail[32];
+        std::vector<uint32_t> codes(64);
+        DirectWeights<F> weights{a, fast};
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < a.n; ++n) {
+            weights.start_row(n);
+            __m512 acc[kM][2];
+            for (int64_t m = 0; m < kM; ++m) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); }
+            int64_t c = 0;
+            if (a.group_size % 32 == 0) {  // each step of 32 codes inside one group
+                for (int64_t start = 0; start < full; start += a.group_size) {
+                    weights.enter_group(start / a.group_size);
+                    const int64_t end = std::min(full, start + a.group_size);
+                    for (c = start; c + 64 <= end; c += 64) {  // two independent accumulator chains
+                        const __m512bh w0 = (__m512bh)weights.uniform32(c);
+                        const __m512bh w1 = (__m512bh)weights.uniform32(c + 32);
+                        for (int64_t m = 0; m < kM; ++m) {
+                            const Bf16* x = xs + m * k_padded + c;
+                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x), w0);
+                            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(x + 32), w1);
+                        }
+                    }
+                    for (; c < end; c += 32) {
+                        const __m512bh w0 = (__m512bh)weights.uniform32(c);
+                        for (int64_t m = 0; m < kM; ++m) {
+                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + c),
+                                                         w0);
+                        }
+                    }
+                }
+                c = full;
+            }
+            for (; c + 64 <= full; c += 64) {  // two independent accumulator chains
+                const __m512bh w0 = (__m512bh)weights.weights32(c);
+                const __m512bh w1 = (__m512bh)weights.weights32(c + 32);
+                for (int64_t m = 0; m < kM; ++m) {
+                    const Bf16* x = xs + m * k_padded + c;
+                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x), w0);
+                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(x + 32), w1);
+                }
+            }
+            for (; c < full; c += 32) {
+                const __m512bh w0 = (__m512bh)weights.weights32(c);
+                for (int64_t m = 0; m < kM; ++m) {
+                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + c), w0);
+                }
+            }
+            if (full < a.k) {  // the last < 32 columns through the buffered decoder
+                std::fill(tail, tail + 32, Bf16{});
+                decode_row_span<F, Bf16, Bf16>(a, fast, n, full, a.k, tail, codes.data());
+                const __m512bh w0 = (__m512bh)_mm512_load_si512(tail);
+                for (int64_t m = 0; m < kM; ++m) {
+                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + full), w0);
+                }
+            }
+            for (int64_t m = 0; m < kM; ++m) {
+                alignas(64) float lane[kLanes];
+                _mm512_store_ps(lane, _mm512_add_ps(acc[m][0], acc[m][1]));
+                float sum = 0.0f;
+                for (int64_t l = 0; l < kLanes; ++l) { sum += lane[l]; }
+                a.y[m * a.n + n] = sum;
+            }
+        }
+    }
+}
+
+template <class F>
+bool try_linear_direct(const LinearArgs& a)
+{
+    if constexpr (F::kBits == 4 || (F::kBits == 8 && FastDecoder<F>::kSupported)) {
+        if (a.group_size % 16 != 0 || a.m > kDirectMaxM) { return false; }
+        switch (a.m) {
+            case 1: linear_rows_direct<F, 1>(a); return true;
+            case 2: linear_rows_direct<F, 2>(a); return true;
+            case 3: linear_rows_direct<F, 3>(a); return true;
+            case 4: linear_rows_direct<F, 4>(a); return true;
+            case 5: linear_rows_direct<F, 5>(a); return true;
+            case 6: linear_rows_direct<F, 6>(a); return true;
+            case 7: linear_rows_direct<F, 7>(a); return true;
+            default: linear_rows_direct<F, 8>(a); return true;
+        }
+    }
+    return false;
+}
+#endif
+
+template <class F, class W>
+void linear_rows(const LinearArgs& a)
+{
+    // Stage: the type of the decoded weights and of x in the micro-kernel (bf16 pairs with vdpbf16ps
+    // when x is bf16 and the CPU has it, else fp32 with FMA)
+    using Stage = std::conditional_t<kStagesBf16 && std::is_same_v<W, Bf16>, Bf16, float>;
+#if defined(FPQ_DIRECT_BF16)
+    if constexpr (std::is_same_v<Stage, Bf16>) {
+        if (try_linear_direct<F>(a)) { return; }
+    }
+#endif
+    const Decoder<F> fast;
+    const int64_t blocks = ceil_div(a.n, kRowBlock);
+    const int64_t k_padded = ceil_div(a.k, kPad) * kPad;
+    const Stage* xs = static_cast<const Stage*>(a.x);
+    const int64_t chunk = std::min(k_padded, kMaxChunk);
+#pragma omp parallel
+    {
+        const ScopedIeeeDenormals ieee;
+        std::vector<Stage> wbuf(size_t(kRowBlock * chunk), Stage{});
+        std::vector<uint32_t> codes(size_t(chunk + 8));
         std::vector<float> acc(size_t(a.m * kRowBlock * kLanes));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t n0 = b * kRowBlock;
             const int64_t rows = std::min(kRowBlock, a.n - n0);
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t k0 = 0; k0 < a.k; k0 += kChunk) {
-                const int64_t k1 = std::min(a.k, k0 + kChunk);
-                const int64_t columns = ceil_div(k1 - k0, kLanes) * kLanes;
+            for (int64_t k0 = 0; k0 < a.k; k0 += chunk) {
+                const int64_t k1 = std::min(a.k, k0 + chunk);
+                const int64_t columns = ceil_div(k1 - k0, kPad) * kPad;
                 for (int64_t r = 0; r < rows; ++r) {
-                    float* w = wbuf.data() + r * kChunk;
-                    decode_row_span<F, W, float>(a, fast, n0 + r, k0, k1, w, codes.data());
-                    std::fill(w + (k1 - k0), w + columns, 0.0f);  // x is zero-padded there too
+                    Stage* w = wbuf.data() + r * chunk;
+                    decode_row_span<F, W, Stage>(a, fast, n0 + r, k0, k1, w, codes.data());
+                    std::fill(w + (k1 - k0), w + columns, Stage{});  // x is zero-padded there too
                 }
                 for (int64_t m0 = 0; m0 < a.m; m0 += kTileM) {
                     const int64_t tm = std::min(kTileM, a.m - m0);
                     for (int64_t r0 = 0; r0 < rows; r0 += kTileN) {
                         const int64_t tn = std::min(kTileN, rows - r0);
-                        const float* x = a.x + m0 * k_padded + k0;
-                        const float* w = wbuf.data() + r0 * kChunk;
+                        const Stage* x = xs + m0 * k_padded + k0;
+                        const Stage* w = wbuf.data() + r0 * chunk;
                         float* t = acc.data() + (m0 * kRowBlock + r0) * kLanes;
                         switch (tm) {
-                            case 4: tile_fma_rows<4>(tn, x, k_padded, w, columns, t); break;
-                            case 3: tile_fma_rows<3>(tn, x, k_padded, w, columns, t); break;
-                            case 2: tile_fma_rows<2>(tn, x, k_padded, w, columns, t); break;
-                            default: tile_fma_rows<1>(tn, x, k_padded, w, columns, t); break;
+                            case 4: tile_fma_rows<4>(tn, x, k_padded, w, chunk, columns, t); break;
+                            case 3: tile_fma_rows<3>(tn, x, k_padded, w, chunk, columns, t); break;
+                            case 2: tile_fma_rows<2>(tn, x, k_padded, w, chunk, columns, t); break;
+                            default: tile_fma_rows<1>(tn, x, k_padded, w, chunk, columns, t); break;
                         }
                     }
                 }
@@ -402,6 +732,8 @@ void decode_rows(const LinearArgs& a, int64_t n0, int64_t n1, void* out)
 }
 
 }  // namespace
+
+bool linear_cpu_stages_bf16() { return kStagesBf16; }
 
 void linear_cpu(Format fmt, const LinearArgs& args)
 {

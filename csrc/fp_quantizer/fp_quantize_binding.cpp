@@ -234,11 +234,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
         return bias.has_value() ? y.add_(bias->to(x.scalar_type())) : y;
     }
     if (m <= small_m) {
-        const int64_t k_padded = fpq::ceil_div(k, 16) * 16;
-        auto x32 = at::zeros({m, k_padded}, x.options().dtype(at::kFloat));
-        x32.narrow(1, 0, k).copy_(x);
-        auto y32 = at::empty({m, n}, x32.options());
-        args.x = x32.data_ptr<float>();
+        const int64_t k_padded = fpq::ceil_div(k, 32) * 32;
+        const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
+        auto xs = at::zeros({m, k_padded}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+        xs.narrow(1, 0, k).copy_(x);
+        auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
+        args.x = xs.data_ptr();
         args.y = y32.data_ptr<float>();
         fpq::linear_cpu(fmt, args);
         if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }

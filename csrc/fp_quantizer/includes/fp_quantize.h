@@ -46,7 +46,8 @@ enum class LinearScale : int { kFp32 = 0, kE8m0 = 1, kE4m3 = 2 };
 // group g of row r is scales[(r / block_rows) * scale_cols + g]: block_rows = 1 for row groups, Br
 // for 2-D blocks (Bc = group_size). Decoded weights are rounded to weight_dtype (SPEC 5).
 struct LinearArgs {
-    const float* x = nullptr;        // (m, k) fp32, rows zero-padded to a multiple of 16 columns
+    const void* x = nullptr;         // (m, k) rows zero-padded to a multiple of 32 columns: bf16 when x is
+                                     // bf16 and linear_cpu_stages_bf16(), else fp32
     const uint8_t* codes = nullptr;  // (n, row_bytes)
     const void* scales = nullptr;    // see LinearScale
     LinearScale scale_kind = LinearScale::kFp32;
@@ -99,6 +100,7 @@ void dequantize_cpu(Format fmt, const DequantizeArgs& args);
 // Fused dequantize-matmul (fp_linear_cpu.cpp): y (fp32) for small m; and the rows n0 .. n1-1 of
 // W decoded into `out` ((n1 - n0, k) of weight_dtype), the panels of the large-m path.
 void linear_cpu(Format fmt, const LinearArgs& args);
+bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
 void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
 // CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.

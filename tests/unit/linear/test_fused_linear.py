@@ -90,13 +90,21 @@ def test_3d_and_non_contiguous_inputs(m):
     _check(neg.resolve_neg(), qt, None, linear(neg, qt))
 
 
-def test_nan_groups_and_empty_inputs():
-    w = _weight(6, 40)
-    w[2, 5] = float("nan")  # e2m1 has no NaN code: the group's scale is NaN (SPEC 3.3)
-    qt = fpq.quantize(w, "e2m1", 16)
-    for m in (1, 300):
-        y = linear(torch.randn(m, 40), qt)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,group_size", [("e2m1", 16), ("e2m1", 32), ("e4m3", 32), ("e4m3", 48), ("e5m2", 64)])
+def test_nan_weights_give_nan_outputs(fmt, group_size, dtype):
+    """A NaN code (e4m3, e5m2) or a NaN group scale (e2m1, SPEC 3.3) makes its output feature NaN on every
+    path; the other features stay finite."""
+    w = _weight(6, 70)
+    w[2, 35] = float("nan")
+    qt = fpq.quantize(w, fmt, group_size)
+    for m in (1, 5, 300):
+        y = linear(torch.randn(m, 70).to(dtype), qt)
         assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, [0, 1, 3, 4, 5]]).any()
+
+
+def test_empty_inputs():
+    qt = fpq.quantize(_weight(6, 40), "e2m1", 16)
     assert linear(torch.randn(0, 40), qt).shape == (0, 6)
     assert linear(torch.randn(2, 0, 40), qt).shape == (2, 0, 6)
     empty = fpq.quantize(torch.randn(5, 0), "e4m3", 16)
