@@ -153,9 +153,12 @@ struct FastDecoder {
             const __m512 high = _mm512_permutex2var_ps(table[2], code, table[3]);  // codes 32 .. 63
             return _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, _mm512_set1_epi32(0x20)), low, high);
         } else if constexpr (F::kEbits == 5 && F::kMbits == 2) {
-            // e5m2 is the top byte of an IEEE fp16: code << 8, then the exact fp16 -> fp32 conversion
+            // e5m2 is the top byte of an IEEE fp16: code << 8, then the exact fp16 -> fp32 conversion; NaN
+            // codes become the codec's one quiet NaN
             const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + j)));
-            return _mm512_cvtph_ps(_mm256_slli_epi16(code, 8));
+            const __m512 value = _mm512_cvtph_ps(_mm256_slli_epi16(code, 8));
+            return _mm512_mask_mov_ps(value, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q),
+                                      _mm512_castsi512_ps(_mm512_set1_epi32(int(kF32QuietNan))));
         } else {
             static_assert(F::kEbits == 4 && F::kMbits == 3, "8-bit fast decode covers e4m3 and e5m2");
             // e4m3 as an fp16 with the same exponent and mantissa fields is its value * 2^-8 (subnormals
@@ -347,7 +350,7 @@ inline void tile_fma(const float* __restrict x, int64_t x_stride, const float* _
         for (int64_t i = 0; i < kM; ++i) {
             for (int64_t j = 0; j < kN; ++j) {
                 float* lane = acc + (i * kRowBlock + j) * kLanes;
-                for (int64_t l = 0; l < kLanes; ++l) {  // vectorized: one lane per element
+                for (int64_t l = 0; l < kLanes; ++l) {  // one lane per element (vectorizes)
                     lane[l] += x[i * x_stride + c + l] * w[j * w_stride + c + l];
                 }
             }

@@ -144,46 +144,6 @@ void quantize_rows(const QuantizeArgs& a)
     });
 }
 
-// Values of one group: decode, one fp32 multiply by the scale, round to T (SPEC 5).
-template <class F, class T>
-void dequantize_group(const uint8_t* __restrict src, int64_t len, float s, T* __restrict dst,
-                      uint32_t* __restrict scratch)
-{
-    if constexpr (F::kBits == 8) {
-        for (int64_t i = 0; i < len; ++i) {  // vectorized: 8-bit decode
-            dst[i] = store_from_f32<T>(mul_rn(decode<F>(src[i]), s));
-        }
-    } else {
-        using Unit = PackUnit<F::kBits>;
-        const int64_t full_units = len / Unit::kCodes;
-        for (int64_t u = 0; u < full_units; ++u) {
-            uint32_t word = 0;
-            for (int b = 0; b < Unit::kBytes; ++b) { word |= uint32_t(src[u * Unit::kBytes + b]) << (8 * b); }
-            for (int j = 0; j < Unit::kCodes; ++j) { scratch[u * Unit::kCodes + j] = unpack_code<F::kBits>(word, j); }
-        }
-        if (len > full_units * Unit::kCodes) {  // a short last unit: only the bytes the group has
-            const int64_t nbytes = group_bytes(len, F::kBits) - full_units * Unit::kBytes;
-            uint32_t word = 0;
-            for (int b = 0; b < nbytes; ++b) { word |= uint32_t(src[full_units * Unit::kBytes + b]) << (8 * b); }
-            for (int j = 0; j < Unit::kCodes; ++j) {
-                scratch[full_units * Unit::kCodes + j] = unpack_code<F::kBits>(word, j);
-            }
-        }
-        for (int64_t i = 0; i < len; ++i) {  // vectorized: sub-byte decode
-            dst[i] = store_from_f32<T>(mul_rn(decode<F>(scratch[i]), s));
-        }
-    }
-}
-
-template <class F, class T>
-void dequantize_rows(const DequantizeArgs& a)
-{
-    T* out = static_cast<T*>(a.out);
-    parallel_over_groups<F>(a.rows, a.k, a.group_size, false, [&](const GroupSpan& g, uint32_t* scratch, uint32_t*) {
-        dequantize_group<F>(a.codes + g.byte_offset, g.len, a.scales[g.index], out + g.row * a.k + g.start, scratch);
-    });
-}
-
 }  // namespace
 
 void quantize_cpu(Format fmt, const QuantizeArgs& args)
@@ -199,11 +159,21 @@ void quantize_cpu(Format fmt, const QuantizeArgs& args)
     });
 }
 
+// Dequantize is the fused linear's decoder (fp_linear_cpu.cpp) writing whole rows: the same
+// fl(decode(q) * s) rounded to the output dtype (SPEC 5), with its AVX-512 paths.
 void dequantize_cpu(Format fmt, const DequantizeArgs& args)
 {
-    dispatch_format(fmt, [&](auto f) {
-        dispatch_dtype(args.dtype, [&](auto t) { dequantize_rows<decltype(f), decltype(t)>(args); });
-    });
+    LinearArgs rows;
+    rows.codes = args.codes;
+    rows.scales = args.scales;
+    rows.scale_kind = LinearScale::kFp32;
+    rows.scale_cols = ceil_div(args.k, args.group_size);
+    rows.weight_dtype = args.dtype;
+    rows.n = args.rows;
+    rows.k = args.k;
+    rows.group_size = args.group_size;
+    rows.row_bytes = row_bytes(args.k, args.group_size, dispatch_format(fmt, [](auto f) { return decltype(f)::kBits; }));
+    decode_rows_cpu(fmt, rows, 0, args.rows, args.out);
 }
 
 }  // namespace fpq
