@@ -28,7 +28,7 @@ __all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
 #: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
 #: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
 #: matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not.
-SMALL_M = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 8}
+SMALL_M = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
 #: Bytes of one panel of decoded weight rows in the large-M path (about a core's L2 cache).
 PANEL_BYTES = 2 * 2**20
 

@@ -501,7 +501,8 @@ struct DirectWeights {
     {
         const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
         if constexpr (F::kEbits == 5) {
-            nan = 0;
+            // the NaN magnitudes 0x7d .. 0x7f become the codec's one quiet NaN (0x7fc0) after conversion
+            nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(code, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7c));
             return _mm512_slli_epi16(code, 8);
         } else {
             const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
@@ -727,9 +728,33 @@ void decode_rows(const LinearArgs& a, int64_t n0, int64_t n1, void* out)
     {
         const ScopedIeeeDenormals ieee;
         std::vector<uint32_t> codes(size_t(std::min(a.k, std::max<int64_t>(a.group_size, 1)) + 8));
+#if defined(FPQ_DIRECT_BF16)
+        // bf16 rows with groups of a multiple of 32 codes: the register path's 32-wide steps, stored
+        DirectWeights<F> weights{a, fast};
+        constexpr bool kDirect = std::is_same_v<W, Bf16> && (F::kBits == 4 || F::kBits == 8);
+        const bool direct = kDirect && a.group_size % 32 == 0;
+#endif
 #pragma omp for schedule(static)
         for (int64_t n = n0; n < n1; ++n) {
-            decode_row_span<F, W, W>(a, fast, n, 0, a.k, dst + (n - n0) * a.k, codes.data());
+            W* row = dst + (n - n0) * a.k;
+#if defined(FPQ_DIRECT_BF16)
+            if constexpr (kDirect) {
+                if (direct) {
+                    const int64_t full = a.k / 32 * 32;
+                    weights.start_row(n);
+                    for (int64_t start = 0; start < full; start += a.group_size) {
+                        weights.enter_group(start / a.group_size);
+                        const int64_t end = std::min(full, start + a.group_size);
+                        for (int64_t c = start; c < end; c += 32) {
+                            _mm512_storeu_si512(row + c, weights.uniform32(c));
+                        }
+                    }
+                    if (full < a.k) { decode_row_span<F, W, W>(a, fast, n, full, a.k, row + full, codes.data()); }
+                    continue;
+                }
+            }
+#endif
+            decode_row_span<F, W, W>(a, fast, n, 0, a.k, row, codes.data());
         }
     }
 }
