@@ -14,6 +14,7 @@ from pydantic import ValidationError
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize, backends
 from ds_fpquant.config import load_config
+from ds_fpquant.linear import linear
 
 DOC = Path(__file__).resolve().parents[4] / "docs" / "bad_inputs.md"
 ROW = re.compile(r"^\| (\S+) \| `(.+)` \| (\w+) \| (.+) \|$")
@@ -35,7 +36,7 @@ def _namespace():
         buf = q.quantize(torch.randn(4, 8))
         qt = fpq.quantize(x, "e2m1", 16)
     return dict(fpq=fpq, torch=torch, np=np, FP_Quantize=FP_Quantize, load_config=load_config, X=x, q=q, BUF=buf,
-                QT=qt, replace=dataclasses.replace)
+                QT=qt, replace=dataclasses.replace, linear=linear)
 
 
 @pytest.mark.parametrize("api,call,exc,message", _rows(), ids=lambda v: v if len(str(v)) < 60 else None)
