@@ -97,12 +97,19 @@ class FP_Quantize(Quantizer):
                              "orig_dtype, or pass fp_out")
         return torch.Size(shape), dtype
 
+    def _check_buffer(self, input_q, f: FPFormat, num_groups: int, row: int) -> None:
+        try:
+            checks.check_byte_tensor("input_q", input_q, (num_groups, row))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the buffer of {num_groups} groups of {self.group_size} {f.name} codes; "
+                             f"check q_bits / q_mantisa_bits and the group size it was quantized with)") from None
+
     def _to_quantized(self, input_q, scale, f: FPFormat, numel: int, dtype) -> QuantizedTensor:
         """Rebuild the native flat-grouped :class:`QuantizedTensor` from a buffer (SPEC 6.1)."""
         num_groups = self._num_groups(numel)
         gbytes, row = self._row_layout(f)
         if scale is None:
-            checks.check_byte_tensor("input_q", input_q, (num_groups, row))
+            self._check_buffer(input_q, f, num_groups, row)
             buf = input_q.view(torch.uint8)
             codes = buf[:, :gbytes]
             scales = buf[:, gbytes:].clone(memory_format=torch.contiguous_format)  # aligned for the fp32 view
@@ -133,7 +140,7 @@ class FP_Quantize(Quantizer):
         num_groups = self._num_groups(numel)
         gbytes, row = self._row_layout(f)
         if scale is None:
-            checks.check_byte_tensor("input_q", input_q, (num_groups, row))
+            self._check_buffer(input_q, f, num_groups, row)
             rows = input_q.view(torch.uint8).index_select(0, group_ids)
             # an owning copy: the fp32 view needs 4-byte aligned scale bytes (a 1-row slice is "contiguous")
             codes, scales = rows[:, :gbytes], rows[:, gbytes:].clone(memory_format=torch.contiguous_format)
