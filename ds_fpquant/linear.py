@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from . import backends, checks
 from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize
+from .packing import row_bytes
 
 __all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
 
@@ -41,7 +42,8 @@ def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
     else:
         kind = qt.scale_format
     block_rows = qt.block[0] if qt.block is not None else 1
-    scales = qt.scales.reshape(-(-n // block_rows), -1).contiguous()
+    group_size = qt.block[1] if qt.block is not None else qt.group_size
+    scales = qt.scales.reshape(-(-n // block_rows), -(-k // min(group_size, max(k, 1)))).contiguous()
     tensor_scale = float(qt.tensor_scale) if qt.tensor_scale is not None else 1.0
     return scales, kind, block_rows, tensor_scale
 
@@ -65,7 +67,8 @@ def _check(x, qt, bias, backend) -> None:
 
 def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     scales, kind, block_rows, tensor_scale = _scale_layout(qt)
-    codes = qt.codes.view(torch.uint8).reshape(qt.shape[0], -1).contiguous()
+    n, k = qt.shape
+    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, min(qt.group_size, max(k, 1)), qt.format.bits))
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
     return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
                      SMALL_M[x2.dtype], PANEL_BYTES)
@@ -106,18 +109,20 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
 
     Returns:
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
-        ``bias``); the quantized weight gets no gradient.
+        ``bias``); the quantized weight gets no gradient. With bf16 ``x`` the CPU's bf16 dot product
+        (``vdpbf16ps``, and torch's own bf16 matmul in the panel path) reads bf16 values below 2^-126
+        (subnormals, about 1e-38) as zero, as torch's bf16 ``F.linear`` on such a CPU does.
 
     Raises:
         TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
     """
     _check(x, qt, bias, backend)
     impl = backends.resolve(backend, x.device)
-    if impl is backends.TORCH or x.device.type != "cpu":
-        weight = dequantize(qt, x.dtype, backend=backend)
-        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
+    if impl is backends.TORCH or x.device.type != "cpu":  # 2-D, so that the bias is added by the same GEMM
+        weight = dequantize(qt, x.dtype, backend=backend)
+        return F.linear(x2, weight, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         y = _FusedLinear.apply(x2, bias, impl, qt)
     else:
@@ -169,16 +174,18 @@ class QuantizedWeight(torch.Tensor):
         if func in (torch.Tensor.transpose, torch.transpose) and isinstance(args[0], cls) and not kwargs:
             if sorted(d % 2 for d in args[1:3]) == [0, 1]:
                 return args[0]._flipped()
-        if func in (torch.Tensor.t, torch.t) and isinstance(args[0], cls):
+        if func in (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__) and isinstance(args[0], cls):
             return args[0]._flipped()
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) == 2 and not kwargs:
             x, w = args
             if isinstance(w, cls) and w.transposed and isinstance(x, torch.Tensor) and not isinstance(x, cls):
-                return linear(x, w.qt, backend=w.backend)
+                # in the weight's (compute) dtype, returned in x's, as FPQuantizedLinear.forward does
+                return linear(x.to(w.weight_dtype), w.qt, backend=w.backend).to(x.dtype)
         if func is F.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if not isinstance(args[0], cls) and not isinstance(bias, cls):
-                return linear(args[0], args[1].qt, bias, backend=args[1].backend)
+                x = args[0]
+                return linear(x.to(args[1].weight_dtype), args[1].qt, bias, backend=args[1].backend).to(x.dtype)
         args = torch.utils._pytree.tree_map(cls._dense, args)
         kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs)
         with torch._C.DisableTorchFunctionSubclass():

@@ -193,6 +193,18 @@ inline __m512 round_to(__m512 v)
     }
 }
 
+#if defined(__AVX512BF16__)
+// 32 bf16 words of lo (first 16) and hi by vcvtne2ps2bf16 (RNE; its inputs must not be subnormal),
+// every NaN as the codec's one quiet NaN 0x7fc0 (the instruction keeps the sign and payload).
+inline __m512i bf16_pair(__m512 lo, __m512 hi)
+{
+    const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7fff)),
+                                                  _mm512_set1_epi16(0x7f80));
+    return _mm512_mask_mov_epi16(w, nan, _mm512_set1_epi16(0x7fc0));
+}
+#endif
+
 // Stores values that are already W values (round_to<W>) as Out: fp32 lanes, or W's 16-bit patterns.
 template <class W, class Out>
 inline void store_exact(__m512 v, Out* out)
@@ -276,7 +288,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                             store_weights<W, Out>(v0, dst + (c - k0));
                             store_weights<W, Out>(v1, dst + (c + 16 - k0));
                         } else {
-                            _mm512_storeu_si512(dst + (c - k0), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+                            _mm512_storeu_si512(dst + (c - k0), bf16_pair(v0, v1));
                         }
                     }
                 }
@@ -523,8 +535,7 @@ struct DirectWeights {
             const __m512i half = half32_8bit(row, c, nan);
             const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), uniform_scale);
             const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), uniform_scale);
-            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            return _mm512_mask_mov_epi16(w, nan, _mm512_set1_epi16(0x7fc0));
+            return _mm512_mask_mov_epi16(bf16_pair(lo, hi), nan, _mm512_set1_epi16(0x7fc0));
         }
     }
 
@@ -553,7 +564,7 @@ struct DirectWeights {
             const __m512 v_lo = _mm512_mul_ps(fast.decode16(row, c), _mm512_set1_ps(s_lo));
             const __m512 v_hi = _mm512_mul_ps(fast.decode16(row, c + 16), _mm512_set1_ps(s_hi));
             if (s_lo >= safe && s_hi >= safe) {  // no subnormal product: one vcvtne2ps2bf16 (RNE) for both
-                return (__m512i)_mm512_cvtne2ps_pbh(v_hi, v_lo);
+                return bf16_pair(v_lo, v_hi);
             }
             return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_words(v_lo)), bf16_words(v_hi), 1);
         }

@@ -181,7 +181,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
 //   scales: fp32 or uint8 (scale_kind "fp32", "e8m0" or "e4m3" for NVFP4 with tensor_scale), shape
 //   (ceil(n / block_rows), ceil(k / G)); block_rows = Br for 2-D blocks, 1 for row groups.
 //   m <= small_m: the fused kernel (fp32 accumulation, one rounding to x's dtype); larger m: panels of
-//   about panel_bytes of decoded rows, each multiplied by torch's matmul (addmm) in x's dtype.
+//   about panel_bytes of decoded rows, each multiplied by torch's linear in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
                   int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
                   const std::string& fmt_name, int64_t group_size, int64_t small_m, int64_t panel_bytes)
@@ -245,24 +245,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
         if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }
         return y32.to(x.scalar_type());
     }
-    // y^T, one panel of rows of W at a time: yT[n0:n1] = bias[n0:n1] + W[n0:n1] @ x^T
-    auto yT = at::empty({n, m}, x.options());
+    // one panel of rows of W at a time: y[:, n0:n1] = linear(x, W[n0:n1], bias[n0:n1]). (Not W @ x^T: in
+    // torch 2.13 that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)
+    auto y = at::empty({m, n}, x.options());
     const int64_t rows = std::max<int64_t>(1, std::min(n, panel_bytes / std::max<int64_t>(1, k * x.element_size())));
     auto panel = at::empty({rows, k}, x.options());
-    const at::Tensor xt = x.t();
+    const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type()))
+                                                         : c10::nullopt;
     for (int64_t n0 = 0; n0 < n; n0 += rows) {
         const int64_t n1 = std::min(n, n0 + rows);
         auto w = panel.narrow(0, 0, n1 - n0);
         fpq::decode_rows_cpu(fmt, args, n0, n1, w.data_ptr());
-        auto out = yT.narrow(0, n0, n1 - n0);
-        if (bias.has_value()) {
-            at::addmm_out(out, bias->narrow(0, n0, n1 - n0).to(x.scalar_type()).unsqueeze(1).expand({n1 - n0, m}), w,
-                          xt);
-        } else {
-            at::mm_out(out, w, xt);
-        }
+        const c10::optional<at::Tensor> bp = b.has_value() ? c10::optional<at::Tensor>(b->narrow(0, n0, n1 - n0))
+                                                           : c10::nullopt;
+        y.narrow(1, n0, n1 - n0).copy_(at::linear(x, w, bp));
     }
-    return yT.t().contiguous();
+    return y;
 }
 
 // Philox4x32-10 on one counter and key (the known-answer test calls it).

@@ -163,3 +163,61 @@ def test_fpquantizedlinear_forward_uses_the_fused_op(monkeypatch):
             xm = torch.randn(m, 64)
             _check(xm, layer.quantized_weight, layer.bias, layer(xm))
         assert torch.equal(layer(x), expected)
+
+
+def test_weight_without_rows():
+    for qt in (fpq.quantize(torch.randn(0, 16), "e4m3", 8), fpq.quantize(torch.randn(0, 16), "e4m3", block=(4, 8))):
+        for m in (0, 3, 300):
+            assert linear(torch.randn(m, 16), qt, torch.randn(0)).shape == (m, 0)
+
+
+@pytest.mark.parametrize("m", [5, 300])
+@pytest.mark.parametrize("fmt,value", [("e4m3", float("nan")), ("e5m2", float("inf")), ("e5m2", float("-inf"))])
+def test_a_non_finite_weight_row_stays_in_its_feature(fmt, value, m):
+    """K not a multiple of 32, bf16 panels: only the feature whose weight is NaN/Inf is affected (torch's
+    bf16 W @ x^T leaked it into the neighbouring row)."""
+    w = torch.ones(20, 65)
+    w[1, 0] = value
+    y = linear(torch.ones(m, 65).bfloat16(), fpq.quantize(w, fmt, 32))
+    ref = linear(torch.ones(m, 65).bfloat16(), fpq.quantize(w, fmt, 32), backend="torch")
+    assert_bitwise_equal(y[:, [0, 2]], ref[:, [0, 2]], "finite features")
+    assert torch.equal(torch.isnan(y[:, 1]), torch.isnan(ref[:, 1])) and torch.equal(y[:, 1].isinf(), ref[:, 1].isinf())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [float("inf"), float("-nan"), 0.0])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2", "e2m1"])
+def test_dequantize_of_given_odd_scales_matches_the_torch_backend(fmt, scale, dtype):
+    """Scales from other tools (Inf, a negative NaN, 0): the CPU decoder writes the same bits as the torch
+    backend, one NaN pattern included."""
+    import dataclasses
+    qt = fpq.quantize(torch.randn(3, 96), fmt, 32)
+    odd = qt.scales.clone()
+    odd[1, 1] = scale
+    qt = dataclasses.replace(qt, scales=odd)
+    assert_bitwise_equal(fpq.dequantize(qt, dtype, backend="cpu"), fpq.dequantize(qt, dtype, backend="torch"),
+                         f"{fmt} scale {scale}")
+
+
+def test_torch_backend_3d_strided_bf16_with_bias():
+    qt = fpq.quantize(_weight(24, 64), "e4m3", 32)
+    x = torch.randn(2, 64, 4).bfloat16().transpose(1, 2)  # (2, 4, 64), non-contiguous
+    bias = torch.randn(24).bfloat16()
+    _check(x.contiguous(), qt, bias, linear(x, qt, bias, backend="torch"))
+
+
+def test_quantized_weight_stands_in_for_a_weight():
+    """DeepSpeed's AutoTP forward shapes: matmul with .transpose(-1, -2), .t(), .T, .mT and F.linear run the
+    fused op in the weight's (compute) dtype and return x's dtype; anything else sees the dequantized weight."""
+    from ds_fpquant.linear import QuantizedWeight
+
+    qt = fpq.quantize(_weight(8, 32), "e4m3", 16)
+    x = torch.randn(3, 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = QuantizedWeight(qt, dtype)
+        expected = linear(x.to(dtype), qt).to(x.dtype)
+        for y in (torch.matmul(x, w.transpose(-1, -2)), x @ w.t(), x @ w.T, x @ w.mT,
+                  torch.nn.functional.linear(x, w)):
+            assert y.dtype == x.dtype and torch.equal(y, expected)
+        assert w.shape == (8, 32) and w.T.shape == (32, 8) and "QuantizedWeight" in repr(w)
+        assert torch.equal(w + 0, fpq.dequantize(qt, dtype))
