@@ -30,8 +30,9 @@ __all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
 #: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
 #: matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not.
 SMALL_M = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
-#: Bytes of one panel of decoded weight rows in the large-M path (about a core's L2 cache).
-PANEL_BYTES = 2 * 2**20
+#: Bytes of one panel of decoded weight rows in the large-M path: a quarter of a 4096x4096 bf16 layer,
+#: in the last-level cache; smaller panels made torch's matmul slower (measured 2-16 MiB at M=16-1024).
+PANEL_BYTES = 8 * 2**20
 
 
 def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
