@@ -202,10 +202,14 @@ def main(argv=None) -> int:
     if any(g < 1 for g in groups):
         parser.error(f"--group-sizes {list(groups)}: group sizes must be >= 1")
     results = run(device, sizes, args.formats, groups, repeat=args.repeat)
-    env = environment(device)
-    print(", ".join(f"{k}: {v}" for k, v in env.items()))
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)
+    report(environment(device), format_table(results), results, args.json)
     return 0
+
+
+def report(env: dict, table: str, results: Sequence, json_path: Optional[str]) -> None:
+    """Print the environment line and the table; also write both as JSON to ``json_path`` if given."""
+    print(", ".join(f"{k}: {v}" for k, v in env.items()))
+    print(table)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({"environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)

@@ -16,12 +16,11 @@ Ratios are ``bf16 nn.Linear ms / this ms`` within the same setting (above 1: fas
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -181,10 +180,8 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     if args.quick and llc is None:
         llc = 4 * MIB  # a smoke run: a few layers, not a model's worth
     results = run(shapes, tokens, formats, repeat=args.repeat, llc=llc)
+    from .bench import report
+
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "llc_mib": (llc or llc_bytes()) / MIB}
-    print(", ".join(f"{k}: {v}" for k, v in env.items()))
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)
+    report(env, format_table(results), results, args.json)
     return 0

@@ -104,6 +104,15 @@ class FP_Quantize(Quantizer):
             raise ValueError(f"{exc} (the buffer of {num_groups} groups of {self.group_size} {f.name} codes; "
                              f"check q_bits / q_mantisa_bits and the group size it was quantized with)") from None
 
+    @staticmethod
+    def _check_meta_codes(input_q, f: FPFormat, numel: int) -> None:
+        """Meta codes (``return_meta_tensor=True``): one byte per element of an 8-bit format."""
+        if f.bits != 8:
+            raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
+        checks.check_byte_tensor("input_q", input_q, device=None)
+        if input_q.numel() != numel:
+            raise ValueError(f"input_q has {input_q.numel()} codes; expected {numel} (one per element)")
+
     def _to_quantized(self, input_q, scale, f: FPFormat, numel: int, dtype) -> QuantizedTensor:
         """Rebuild the native flat-grouped :class:`QuantizedTensor` from a buffer (SPEC 6.1)."""
         num_groups = self._num_groups(numel)
@@ -118,11 +127,7 @@ class FP_Quantize(Quantizer):
             if tail:  # the native layout keeps only the bytes the short last group needs
                 flat = flat[:n_full * gbytes + group_bytes(tail, f.bits)]
         else:
-            if f.bits != 8:
-                raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
-            checks.check_byte_tensor("input_q", input_q, device=None)
-            if input_q.numel() != numel:
-                raise ValueError(f"input_q has {input_q.numel()} codes; expected {numel} (one per element)")
+            self._check_meta_codes(input_q, f, numel)
             flat = input_q.view(torch.uint8).reshape(numel)
             scales = self._scale_bytes(scale, num_groups, input_q.device)
         scales = scales.contiguous().view(torch.float32).reshape(num_groups)
@@ -145,11 +150,7 @@ class FP_Quantize(Quantizer):
             # an owning copy: the fp32 view needs 4-byte aligned scale bytes (a 1-row slice is "contiguous")
             codes, scales = rows[:, :gbytes], rows[:, gbytes:].clone(memory_format=torch.contiguous_format)
         else:
-            if f.bits != 8:
-                raise ValueError(f"scale= (meta tensors) needs an 8-bit format, got q_bits={f.bits}")
-            checks.check_byte_tensor("input_q", input_q, device=None)
-            if input_q.numel() != numel:
-                raise ValueError(f"input_q has {input_q.numel()} codes; expected {numel} (one per element)")
+            self._check_meta_codes(input_q, f, numel)
             g = self.group_size
             elements = (group_ids.unsqueeze(1) * g + torch.arange(g, device=group_ids.device)).clamp_(max=numel - 1)
             codes = input_q.view(torch.uint8).reshape(numel).index_select(0, elements.reshape(-1))

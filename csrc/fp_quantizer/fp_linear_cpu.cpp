@@ -589,52 +589,37 @@ void linear_rows_direct(const LinearArgs& a)
             weights.start_row(n);
             __m512 acc[kM][2];
             for (int64_t m = 0; m < kM; ++m) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); }
+            // acc[m][chain] += x[m][c .. c+31] . w (32 bf16 pairs)
+            const auto accumulate = [&](int64_t c, int chain, __m512i w) {
+                for (int64_t m = 0; m < kM; ++m) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs + m * k_padded + c);
+                    acc[m][chain] = _mm512_dpbf16_ps(acc[m][chain], xv, (__m512bh)w);
+                }
+            };
             int64_t c = 0;
             if (a.group_size % 32 == 0) {  // each step of 32 codes inside one group
                 for (int64_t start = 0; start < full; start += a.group_size) {
                     weights.enter_group(start / a.group_size);
                     const int64_t end = std::min(full, start + a.group_size);
                     for (c = start; c + 64 <= end; c += 64) {  // two independent accumulator chains
-                        const __m512bh w0 = (__m512bh)weights.uniform32(c);
-                        const __m512bh w1 = (__m512bh)weights.uniform32(c + 32);
-                        for (int64_t m = 0; m < kM; ++m) {
-                            const Bf16* x = xs + m * k_padded + c;
-                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x), w0);
-                            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(x + 32), w1);
-                        }
+                        const __m512i w0 = weights.uniform32(c), w1 = weights.uniform32(c + 32);
+                        accumulate(c, 0, w0);
+                        accumulate(c + 32, 1, w1);
                     }
-                    for (; c < end; c += 32) {
-                        const __m512bh w0 = (__m512bh)weights.uniform32(c);
-                        for (int64_t m = 0; m < kM; ++m) {
-                            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + c),
-                                                         w0);
-                        }
-                    }
+                    for (; c < end; c += 32) { accumulate(c, 0, weights.uniform32(c)); }
                 }
                 c = full;
             }
-            for (; c + 64 <= full; c += 64) {  // two independent accumulator chains
-                const __m512bh w0 = (__m512bh)weights.weights32(c);
-                const __m512bh w1 = (__m512bh)weights.weights32(c + 32);
-                for (int64_t m = 0; m < kM; ++m) {
-                    const Bf16* x = xs + m * k_padded + c;
-                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x), w0);
-                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(x + 32), w1);
-                }
+            for (; c + 64 <= full; c += 64) {
+                const __m512i w0 = weights.weights32(c), w1 = weights.weights32(c + 32);
+                accumulate(c, 0, w0);
+                accumulate(c + 32, 1, w1);
             }
-            for (; c < full; c += 32) {
-                const __m512bh w0 = (__m512bh)weights.weights32(c);
-                for (int64_t m = 0; m < kM; ++m) {
-                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + c), w0);
-                }
-            }
+            for (; c < full; c += 32) { accumulate(c, 0, weights.weights32(c)); }
             if (full < a.k) {  // the last < 32 columns through the buffered decoder
                 std::fill(tail, tail + 32, Bf16{});
                 decode_row_span<F, Bf16, Bf16>(a, fast, n, full, a.k, tail, codes.data());
-                const __m512bh w0 = (__m512bh)_mm512_load_si512(tail);
-                for (int64_t m = 0; m < kM; ++m) {
-                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(xs + m * k_padded + full), w0);
-                }
+                accumulate(full, 1, _mm512_load_si512(tail));
             }
             for (int64_t m = 0; m < kM; ++m) {
                 alignas(64) float lane[kLanes];
