@@ -1,15 +1,18 @@
-// Fused dequantize-matmul on the CPU: y = x @ dequant(W)^T for a row-grouped quantized W (SPEC 2, 5).
+// Fused dequantize-matmul on the CPU: y = x @ dequant(W)^T for a row-grouped quantized W (SPEC 2, 5),
+// and the CPU dequantize (decode_rows_cpu writes whole rows).
 //
-// The weight is decoded from its packed codes on the fly, chunk by chunk, through the shared codec
-// (fp_codec.h) and never exists whole in full precision:
-//  * linear_cpu (small M, token-by-token decode): OpenMP over blocks of kRowBlock output features;
-//    each block decodes its rows (whole rows up to kMaxChunk columns) into a buffer in L2, then every row of x
-//    multiplies it (AVX-512 FMA micro-kernel, a portable loop otherwise), so the codes stream from
-//    memory once per call whatever M is. fp32 accumulation.
-//  * decode_rows_cpu (large M, prefill): a panel of rows in the weight dtype, for torch's matmul.
+// The weight is decoded from its packed codes on the fly through the shared codec (fp_codec.h) and
+// never exists whole in full precision:
+//  * linear_cpu (small M, token-by-token decode), OpenMP over output features:
+//    - bf16 x, groups of a multiple of 16 (AVX-512 BF16 + VBMI): the register path. Each step turns 32
+//      codes into 32 bf16 weights in a register and vdpbf16ps multiplies them into fp32 accumulators.
+//    - otherwise blocks of kRowBlock rows are decoded (whole rows up to kMaxChunk columns) into a buffer
+//      in L2, which an FMA (fp32) or vdpbf16ps (bf16) micro-kernel multiplies by every row of x.
+//    Either way the codes stream from memory once per call whatever M is; fp32 accumulation.
+//  * decode_rows_cpu (large M, prefill; dequantize): rows in the weight dtype.
 // Each decoded weight is fl(decode(q) * s) rounded to the weight dtype (SPEC 5), the value that
-// dequantize() gives in that dtype; only the order of the fp32 sums differs from F.linear.
-// No torch includes.
+// dequantize() gives in that dtype; only the order of the fp32 sums differs from F.linear. AVX-512 code
+// paths where the compiler targets them (-march=native), portable loops otherwise. No torch includes.
 
 #include <algorithm>
 #include <cmath>
