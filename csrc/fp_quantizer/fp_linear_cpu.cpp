@@ -436,6 +436,7 @@ template <class F>
 struct DirectWeights {
     const LinearArgs& a;
     const FastDecoder<F>& fast;
+    const FastDecoder<E4M3> scale_codes{};
     const uint8_t* row = nullptr;
     int64_t n = 0;
     // group of code `cursor` and where the next group starts (codes are visited in order; no division)
@@ -451,12 +452,17 @@ struct DirectWeights {
             if (table_group[1 - half] == g) {
                 table_words[half] = table_words[1 - half];
             } else {
-                table_words[half] = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scale_at(a, n, g))));
+                table_words[half] = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scales[g])));
             }
             table_group[half] = g;
         }
         return table_words[half];
     }
+
+    // the fp32 scales of the current row's groups: the stored fp32 row, or E8M0 / NVFP4 scale bytes
+    // decoded 16 at a time into `decoded` (the values scale_at() gives, SPEC 3.2 / 3.4)
+    const float* scales = nullptr;
+    std::vector<float> decoded = std::vector<float>(size_t(ceil_div(a.scale_cols, 16) * 16));
 
     void start_row(int64_t row_index)
     {
@@ -465,6 +471,32 @@ struct DirectWeights {
         group = 0;
         next = a.group_size;
         table_group[0] = table_group[1] = -1;
+        const int64_t index = (n / a.block_rows) * a.scale_cols;
+        if (a.scale_kind == LinearScale::kFp32) {
+            scales = static_cast<const float*>(a.scales) + index;
+            return;
+        }
+        const uint8_t* bytes = static_cast<const uint8_t*>(a.scales) + index;
+        for (int64_t j = 0; j < a.scale_cols; j += 16) {
+            const __mmask16 lanes = __mmask16((1u << std::min<int64_t>(16, a.scale_cols - j)) - 1);
+            const __m128i b = _mm_maskz_loadu_epi8(lanes, bytes + j);
+            __m512 v;
+            if (a.scale_kind == LinearScale::kE8m0) {  // 2^(b-127): b << 23; byte 0 is 2^-127, 255 is NaN
+                const __m512i e = _mm512_cvtepu8_epi32(b);
+                __m512i bits = _mm512_slli_epi32(e, 23);
+                bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                             _mm512_set1_epi32(0x00400000));
+                bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(int(kE8m0Nan))),
+                                             _mm512_set1_epi32(int(kF32QuietNan)));
+                v = _mm512_castsi512_ps(bits);
+            } else {  // NVFP4: fl(decode(c) * t)
+                alignas(16) uint8_t padded[16];
+                _mm_store_si128(reinterpret_cast<__m128i*>(padded), b);
+                v = _mm512_mul_ps(scale_codes.decode16(padded, 0), _mm512_set1_ps(a.tensor_scale));
+            }
+            _mm512_storeu_ps(decoded.data() + j, v);
+        }
+        scales = decoded.data();
     }
 
     inline int64_t group_of(int64_t c)  // c never decreases within a row
@@ -483,7 +515,7 @@ struct DirectWeights {
 
     inline void enter_group(int64_t g)
     {
-        const float s = scale_at(a, n, g);
+        const float s = scales[g];
         if constexpr (F::kBits == 4) {
             const __m256i words = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(s)));
             uniform_table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
@@ -547,23 +579,23 @@ struct DirectWeights {
     {
         const int64_t g_lo = group_of(c), g_hi = group_of(c + 16);
         if constexpr (F::kBits == 4) {
-            const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(group_table(0, g_lo)),
-                                                     group_table(1, g_hi), 1);
-            const __m512i bytes = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
-            // word i holds byte i/2 twice; even words keep its low nibble, odd words its high one
-            const __m512i spread = _mm512_permutexvar_epi8(
-                _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11, 11, 11, 10, 10,
-                                10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3,
-                                2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                bytes);
-            const __m512i shift = _mm512_set1_epi32(0x00040000);  // 0 for even words, 4 for odd ones
-            const __m512i code = _mm512_and_si512(_mm512_srlv_epi16(spread, shift), _mm512_set1_epi16(0xf));
-            // upper 16 lanes read the second half of the table
-            return _mm512_permutexvar_epi16(_mm512_or_si512(code, _mm512_set_epi64(
-                0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL, 0, 0, 0, 0)),
-                table);
+            __m512i table;  // words 0-15: the lower half's group, 16-31: the upper half's
+            if (g_lo != g_hi) {  // e.g. NVFP4's groups of 16: both tables in one conversion where exact
+                const float s_lo = scales[g_lo], s_hi = scales[g_hi];
+                const __m512 lo = _mm512_mul_ps(fast.table[0], _mm512_set1_ps(s_lo));
+                const __m512 hi = _mm512_mul_ps(fast.table[0], _mm512_set1_ps(s_hi));
+                table = s_lo >= safe && s_hi >= safe
+                            ? bf16_pair(lo, hi)
+                            : _mm512_inserti64x4(_mm512_castsi256_si512(bf16_words(lo)), bf16_words(hi), 1);
+            } else {
+                const __m256i words = group_table(0, g_lo);
+                table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+            }
+            const __m512i upper = _mm512_set_epi64(0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL,
+                                                   0x0010001000100010LL, 0, 0, 0, 0);
+            return _mm512_permutexvar_epi16(_mm512_or_si512(codes32_4bit(row, c), upper), table);
         } else {
-            const float s_lo = scale_at(a, n, g_lo), s_hi = g_hi == g_lo ? s_lo : scale_at(a, n, g_hi);
+            const float s_lo = scales[g_lo], s_hi = scales[g_hi];
             const __m512 v_lo = _mm512_mul_ps(fast.decode16(row, c), _mm512_set1_ps(s_lo));
             const __m512 v_hi = _mm512_mul_ps(fast.decode16(row, c + 16), _mm512_set1_ps(s_hi));
             if (s_lo >= safe && s_hi >= safe) {  // no subnormal product: one vcvtne2ps2bf16 (RNE) for both

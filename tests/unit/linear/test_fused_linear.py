@@ -91,7 +91,8 @@ def test_3d_and_non_contiguous_inputs(m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,group_size", [("e2m1", 16), ("e2m1", 32), ("e4m3", 32), ("e4m3", 48), ("e5m2", 64)])
+@pytest.mark.parametrize("fmt,group_size", [("e2m1", 16), ("e2m1", 32), ("e4m3", 32), ("e4m3", 48), ("e5m2", 64),
+                                            ("mxfp4", None), ("nvfp4", None), ("mxfp8_e4m3", None)])
 def test_nan_weights_give_nan_outputs(fmt, group_size, dtype):
     """A NaN code (e4m3, e5m2) or a NaN group scale (e2m1, SPEC 3.3) makes its output feature NaN on every
     path; the other features stay finite."""
