@@ -38,13 +38,9 @@ PANEL_BYTES = 8 * 2**20
 def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
     """(scales as stored, 2-D; their kind for the op; weight rows per scale row; NVFP4 tensor scale)."""
     n, k = qt.shape
-    if qt.fmt == "nvfp4":
-        kind = "e4m3"
-    else:
-        kind = qt.scale_format
-    block_rows = qt.block[0] if qt.block is not None else 1
-    group_size = qt.block[1] if qt.block is not None else qt.group_size
-    scales = qt.scales.reshape(-(-n // block_rows), -(-k // min(group_size, max(k, 1)))).contiguous()
+    kind = "e4m3" if qt.fmt == "nvfp4" else qt.scale_format
+    block_rows = qt.block[0] if qt.block is not None else 1  # blocks: qt.group_size is Bc
+    scales = qt.scales.reshape(-(-n // block_rows), -(-k // qt.group_size)).contiguous()
     tensor_scale = float(qt.tensor_scale) if qt.tensor_scale is not None else 1.0
     return scales, kind, block_rows, tensor_scale
 
@@ -69,7 +65,7 @@ def _check(x, qt, bias, backend) -> None:
 def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     scales, kind, block_rows, tensor_scale = _scale_layout(qt)
     n, k = qt.shape
-    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, min(qt.group_size, max(k, 1)), qt.format.bits))
+    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits))
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
     return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
                      SMALL_M[x2.dtype], PANEL_BYTES)

@@ -439,24 +439,20 @@ struct DirectWeights {
     const FastDecoder<E4M3> scale_codes{};
     const uint8_t* row = nullptr;
     int64_t n = 0;
-    // group of code `cursor` and where the next group starts (codes are visited in order; no division)
+    // group of the last code looked up and where the next group starts (codes go in order; no division)
     int64_t group = 0, next = 0;
-    // 4-bit: the bf16 values of the 16 codes of the last two groups seen
-    int64_t table_group[2] = {-1, -1};
-    __m256i table_words[2];
+    // 4-bit: the bf16 values of the 16 codes of the last group looked up
+    int64_t table_group = -1;
+    __m256i table_words;
     const float safe = bits_f32(kScaleFloorBits) / bits_f32(F::kSubnormalStepBits);
 
-    inline __m256i group_table(int half, int64_t g)
+    inline __m256i group_table(int64_t g)  // cached while consecutive steps stay in group g
     {
-        if (table_group[half] != g) {
-            if (table_group[1 - half] == g) {
-                table_words[half] = table_words[1 - half];
-            } else {
-                table_words[half] = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scales[g])));
-            }
-            table_group[half] = g;
+        if (table_group != g) {
+            table_words = bf16_words(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scales[g])));
+            table_group = g;
         }
-        return table_words[half];
+        return table_words;
     }
 
     // the fp32 scales of the current row's groups: the stored fp32 row, or E8M0 / NVFP4 scale bytes
@@ -470,7 +466,7 @@ struct DirectWeights {
         row = a.codes + n * a.row_bytes;
         group = 0;
         next = a.group_size;
-        table_group[0] = table_group[1] = -1;
+        table_group = -1;
         const int64_t index = (n / a.block_rows) * a.scale_cols;
         if (a.scale_kind == LinearScale::kFp32) {
             scales = static_cast<const float*>(a.scales) + index;
@@ -588,7 +584,7 @@ struct DirectWeights {
                             ? bf16_pair(lo, hi)
                             : _mm512_inserti64x4(_mm512_castsi256_si512(bf16_words(lo)), bf16_words(hi), 1);
             } else {
-                const __m256i words = group_table(0, g_lo);
+                const __m256i words = group_table(g_lo);
                 table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
             }
             const __m512i upper = _mm512_set_epi64(0x0010001000100010LL, 0x0010001000100010LL, 0x0010001000100010LL,
