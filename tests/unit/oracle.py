@@ -214,3 +214,26 @@ def quantize_nvfp4_rows(x: np.ndarray, g: int = 16):
     with np.errstate(invalid="ignore", over="ignore"):
         deq = (code_values("e2m1")[codes].astype(np.float32) * np.repeat(s_deq, g, axis=1)[:, :k]).astype(np.float32)
     return packed, stored, np.float32(t), deq
+
+
+def special_input(shape, dtype, seed):
+    """randn times powers of two in [2^-12, 2^12), with NaN, +-Inf, a run of zeros (an all-zero group for
+    small G) and a -0 when there are >= 64 elements: the values every kernel test feeds."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-12, 12, shape, generator=gen).float())
+    flat = x.view(-1)
+    n = flat.numel()
+    if n >= 64:
+        flat[n // 7] = float("nan")
+        flat[n // 5] = float("inf")
+        flat[n // 3] = -float("inf")
+        flat[n // 2: n // 2 + min(40, n // 4)] = 0.0  # a run of zeros (an all-zero group for small G)
+        flat[-1] = -0.0
+    return x.to(dtype)
+
+
+def fp8_values(fmt: str) -> torch.Tensor:
+    """Every finite value of ``fmt`` ("e4m3" or "e5m2") in increasing order, fp32, from torch's float8 dtypes."""
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    return values[torch.isfinite(values)].unique()

@@ -10,27 +10,13 @@ import pytest
 import torch
 
 import ds_fpquant as fpq
-from unit.oracle import assert_bitwise_equal
+from unit.oracle import assert_bitwise_equal, fp8_values, special_input
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 FORMATS = list(fpq.FORMATS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GROUP_SIZES = [1, 3, 32, 100, 128, 1536, 1537, 8192]
-
-
-def _special_input(shape, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-12, 12, shape, generator=gen).float())
-    flat = x.view(-1)
-    n = flat.numel()
-    if n >= 64:
-        flat[n // 7] = float("nan")
-        flat[n // 5] = float("inf")
-        flat[n // 3] = -float("inf")
-        flat[n // 2: n // 2 + min(40, n // 4)] = 0.0  # a run of zeros (an all-zero group for small G)
-        flat[-1] = -0.0
-    return x.to(dtype)
 
 
 def _compare(x_cuda, fmt, group_size, grouping="row"):
@@ -51,17 +37,17 @@ def _compare(x_cuda, fmt, group_size, grouping="row"):
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 def test_kernel_matches_reference(fmt, dtype, group_size):
     for shape in [(3, 2 * group_size + 5), (1, max(group_size - 1, 1)), (4, 7, 33)]:
-        x = _special_input(shape, dtype, seed=group_size).cuda()
+        x = special_input(shape, dtype, seed=group_size).cuda()
         _compare(x, fmt, group_size)
-    _compare(_special_input((5, 301), dtype, 1).cuda(), fmt, group_size, grouping="flat")
+    _compare(special_input((5, 301), dtype, 1).cuda(), fmt, group_size, grouping="flat")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("offset", [1, 3, 5, 7])
 def test_misaligned_and_non_contiguous(fmt, offset):
-    base = _special_input((4 * 1024 + 64,), torch.bfloat16, seed=offset).cuda()
+    base = special_input((4 * 1024 + 64,), torch.bfloat16, seed=offset).cuda()
     _compare(base[offset:offset + 4 * 1024].view(4, 1024), fmt, 128)  # odd element offset: no 16-byte alignment
-    wide = _special_input((64, 96), torch.float16, seed=offset).cuda()
+    wide = special_input((64, 96), torch.float16, seed=offset).cuda()
     _compare(wide.t(), fmt, 32)  # transposed: quantized in logical order
     _compare(wide[:, offset:], fmt, 16)
 
@@ -74,8 +60,20 @@ def test_empty_and_tiny(fmt):
         assert got.dequantize(backend="cuda").shape == x.shape
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_hardware_fp8_conversion_as_emulated(fmt):
+    """What the CPU emulation assumes of cvt.rn.satfinite (cuda_emulation.h): every value and every midpoint
+    of neighbours (ties to even), beyond the largest finite value (saturates) and Inf, on the real F2FP."""
+    values = fp8_values(fmt)
+    x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor([1e30, -1e30, 3.4e38])]).view(1, -1)
+    scales = torch.ones(1, 1)
+    ref = fpq.quantize(x, fmt, x.shape[1], scales=scales, backend="torch")
+    got = fpq.quantize(x.cuda(), fmt, x.shape[1], scales=scales.cuda(), backend="cuda")
+    assert_bitwise_equal(got.codes, ref.codes, f"{fmt} codes of every value and midpoint")
+
+
 def test_non_default_stream():
-    x = _special_input((64, 4096), torch.bfloat16, seed=9).cuda()
+    x = special_input((64, 4096), torch.bfloat16, seed=9).cuda()
     ref = fpq.quantize(x.cpu(), "e4m3", 128, backend="torch")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -89,7 +87,7 @@ def test_non_default_stream():
 
 @pytest.mark.parametrize("q_bits,q_mantisa_bits", [(8, 3), (8, 2), (6, 2), (4, 1), (12, 7)])
 def test_fp_quantize_selective_dequantize_cuda(q_bits, q_mantisa_bits):
-    x = _special_input((8, 16, 100), torch.bfloat16, seed=4)
+    x = special_input((8, 16, 100), torch.bfloat16, seed=4)
     q_cpu, q_gpu = fpq.FP_Quantize(group_size=512), fpq.FP_Quantize(group_size=512)
     buf_cpu = q_cpu.quantize(x, q_bits=q_bits, q_mantisa_bits=q_mantisa_bits)
     buf_gpu = q_gpu.quantize(x.cuda(), q_bits=q_bits, q_mantisa_bits=q_mantisa_bits)

@@ -1,0 +1,503 @@
+// A CPU emulation of the CUDA launch model, enough to execute this project's kernels as plain C++
+// (g++, no CUDA runtime): include this first, then the kernels header (csrc/fp_quantizer/includes/
+// fp_quantize_kernels.cuh), and run a launch with fpq_emu::launch(grid, block, body).
+//
+// - Every CUDA thread is a fiber (ucontext) with its own stack; a block's fibers run on one host
+//   thread, each until it reaches a barrier. Warps are real groups of 32 lanes (linear thread index
+//   / 32). Blocks run one after another, in an order the caller picks (forward or reverse).
+// - __shfl_*_sync: every lane named in the mask deposits its value and waits until all of them have
+//   arrived at the same shuffle (same call site, kind, mask and width); then each reads its source
+//   lane. A mask that does not name the calling lane, a named lane that has exited or waits at a
+//   different barrier, or a source lane outside the mask is reported (undefined on a GPU).
+// - __syncthreads waits for every thread of the block that has not exited; a barrier nobody can
+//   pass (a deadlock) is reported with where each thread waits.
+// - __CUDA_ARCH__ is whatever the build defines (-D__CUDA_ARCH__=900, 890, or unset for the
+//   software paths). The fp8 conversion intrinsic of sm_89+ is written from the PTX ISA's definition
+//   of cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32, independently of the project's codec: round to nearest
+//   even, |x| above the largest finite value (Inf included) gives the sign-preserved largest finite
+//   value, NaN gives the NaN code 0x7F; input a (the float2's .y) goes to the upper byte.
+// - Vector types carry CUDA's alignment (uint4/float4: 16 bytes), so a vector access through a
+//   misaligned pointer is reported by -fsanitize=alignment, as it faults on a GPU.
+// Every reported fault prints "cuda-emulation: ..." on stderr and aborts the process.
+#pragma once
+
+#define FPQ_CUDA_EMULATION 1
+
+#include <ucontext.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define FPQ_EMU_ASAN 1
+#endif
+
+// ---- qualifiers ----------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+// ---- vector types (CUDA's sizes and alignments) -------------------------------------------------
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+// ---- math: IEEE round-to-nearest fp32 operations (build with -ffp-contract=off) -----------------
+// A NaN result is the canonical NaN 0x7FFFFFFF, as on NVIDIA GPUs (the CUDA C++ Programming Guide,
+// floating-point standard appendix: NaN payloads are not propagated); the host would keep the payload.
+inline float fpq_emu_canonical(float r)
+{
+    const float nan = __builtin_bit_cast(float, 0x7fffffffu);
+    return r != r ? nan : r;
+}
+inline float __fmul_rn(float a, float b) { return fpq_emu_canonical(a * b); }
+inline float __fadd_rn(float a, float b) { return fpq_emu_canonical(a + b); }
+inline float __fsub_rn(float a, float b) { return fpq_emu_canonical(a - b); }
+inline float __fdiv_rn(float a, float b) { return fpq_emu_canonical(a / b); }
+inline float __fmaf_rn(float a, float b, float c) { return fpq_emu_canonical(std::fmaf(a, b, c)); }
+inline unsigned __float_as_uint(float f)
+{
+    unsigned u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+}
+inline float __uint_as_float(unsigned u)
+{
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// CUDA's overloaded min/max of the device math API.
+#define FPQ_EMU_MINMAX(T)                                \
+    inline T min(T a, T b) { return b < a ? b : a; }     \
+    inline T max(T a, T b) { return a < b ? b : a; }
+FPQ_EMU_MINMAX(int)
+FPQ_EMU_MINMAX(unsigned)
+FPQ_EMU_MINMAX(long)
+FPQ_EMU_MINMAX(unsigned long)
+FPQ_EMU_MINMAX(long long)
+FPQ_EMU_MINMAX(unsigned long long)
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+#undef FPQ_EMU_MINMAX
+
+// ---- fp8 conversion of sm_89+ (cuda_fp8.h names) ------------------------------------------------
+typedef unsigned short __nv_fp8x2_storage_t;
+enum __nv_saturation_t { __NV_NOSAT = 0, __NV_SATFINITE = 1 };
+enum __nv_fp8_interpretation_t { __NV_E4M3 = 0, __NV_E5M2 = 1 };
+
+namespace fpq_emu {
+
+[[noreturn]] inline void fail(const char* fmt, ...)
+{
+    std::fprintf(stderr, "cuda-emulation: ");
+    va_list args;
+    va_start(args, fmt);
+    std::vfprintf(stderr, fmt, args);
+    va_end(args);
+    std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+    std::abort();
+}
+
+// cvt.rn.satfinite.{e4m3,e5m2}.f32 of one value (PTX ISA, "cvt"): the finite code nearest to x,
+// ties to the even code; |x| > MAX_NORM (Inf too) gives the sign-preserved MAX_NORM; NaN gives 0x7F.
+// Found by searching the format's finite values, computed exactly in double.
+inline uint8_t cvt_rn_satfinite_fp8(float x, __nv_fp8_interpretation_t interp)
+{
+    const bool e4m3 = interp == __NV_E4M3;
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const unsigned max_code = e4m3 ? 0x7e : 0x7b;  // 448 and 57344
+    if (std::isnan(x)) { return 0x7f; }
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    auto value = [&](unsigned c) {
+        const unsigned e = c >> mbits, m = c & ((1u << mbits) - 1);
+        return e == 0 ? std::ldexp(double(m), 1 - bias - mbits) : std::ldexp(1.0 + std::ldexp(double(m), -mbits), int(e) - bias);
+    };
+    const double a = std::fabs(double(x));
+    if (a >= value(max_code)) { return uint8_t(sign | max_code); }
+    unsigned lo = 0;
+    while (value(lo + 1) <= a) { ++lo; }  // value(lo) <= a < value(lo + 1)
+    const double below = a - value(lo), above = value(lo + 1) - a;
+    const unsigned code = below < above ? lo : (above < below ? lo + 1 : ((lo & 1u) ? lo + 1 : lo));
+    return uint8_t(sign | code);
+}
+
+}  // namespace fpq_emu
+
+inline __nv_fp8x2_storage_t __nv_cvt_float2_to_fp8x2(float2 x, __nv_saturation_t saturate,
+                                                    __nv_fp8_interpretation_t interp)
+{
+    if (saturate != __NV_SATFINITE) { fpq_emu::fail("__nv_cvt_float2_to_fp8x2 is emulated for __NV_SATFINITE only"); }
+    return __nv_fp8x2_storage_t(fpq_emu::cvt_rn_satfinite_fp8(x.y, interp) << 8 |
+                                fpq_emu::cvt_rn_satfinite_fp8(x.x, interp));
+}
+
+// ---- the launch model ---------------------------------------------------------------------------
+namespace fpq_emu {
+
+constexpr int kWarpSize = 32;
+constexpr size_t kStackBytes = size_t(256) << 10;
+
+enum class State { kRunnable, kShuffle, kSync, kExited };
+enum class ShflKind { kIdx, kUp, kDown, kXor, kSyncWarp };
+inline const char* kind_name(ShflKind k)
+{
+    static const char* names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
+                                  "__syncwarp"};
+    return names[int(k)];
+}
+
+struct Thread {
+    ucontext_t context;
+    void* stack = nullptr;  // usable stack (above a PROT_NONE guard page)
+    uint3 thread_idx{};
+    State state = State::kRunnable;
+    // the shuffle this thread waits in
+    ShflKind kind = ShflKind::kXor;
+    unsigned mask = 0;
+    int arg = 0, width = kWarpSize, line = 0;
+    const char* file = "";
+    uint64_t value = 0, result = 0;
+#if defined(FPQ_EMU_ASAN)
+    void* fake_stack = nullptr;
+#endif
+};
+
+struct Launch {
+    dim3 grid, block;
+    uint3 block_idx{};
+    std::vector<Thread> threads;
+    Thread* current = nullptr;
+    ucontext_t scheduler;
+    const std::function<void()>* body = nullptr;
+#if defined(FPQ_EMU_ASAN)
+    const void* scheduler_stack = nullptr;
+    size_t scheduler_stack_size = 0;
+#endif
+    uint64_t switches = 0;
+};
+
+inline Launch*& active()
+{
+    static Launch* launch = nullptr;
+    return launch;
+}
+
+inline Thread& self()
+{
+    Launch* l = active();
+    if (l == nullptr || l->current == nullptr) { fail("a device builtin was used outside a kernel launch"); }
+    return *l->current;
+}
+
+inline const uint3& thread_idx() { return self().thread_idx; }
+inline const uint3& block_idx() { return active()->block_idx; }
+inline const dim3& block_dim() { return active()->block; }
+inline const dim3& grid_dim() { return active()->grid; }
+
+inline int linear_tid(const Thread& t)
+{
+    const dim3& b = active()->block;
+    return int(t.thread_idx.x + b.x * (t.thread_idx.y + b.y * t.thread_idx.z));
+}
+
+// Fiber -> scheduler; returns when the scheduler resumes this thread.
+inline void yield_to_scheduler()
+{
+    Launch* l = active();
+    Thread& t = *l->current;
+#if defined(FPQ_EMU_ASAN)
+    __sanitizer_start_switch_fiber(&t.fake_stack, l->scheduler_stack, l->scheduler_stack_size);
+#endif
+    swapcontext(&t.context, &l->scheduler);
+#if defined(FPQ_EMU_ASAN)
+    __sanitizer_finish_switch_fiber(t.fake_stack, &l->scheduler_stack, &l->scheduler_stack_size);
+#endif
+}
+
+inline void describe(const Thread& t, char* buf, size_t n)
+{
+    const char* what = t.state == State::kRunnable ? "runnable"
+                       : t.state == State::kExited ? "exited"
+                       : t.state == State::kSync   ? "__syncthreads"
+                                                   : kind_name(t.kind);
+    std::snprintf(buf, n, "thread %d (warp %d lane %d): %s", linear_tid(t), linear_tid(t) / kWarpSize,
+                  linear_tid(t) % kWarpSize, what);
+    if (t.state == State::kShuffle) {
+        const size_t used = std::strlen(buf);
+        std::snprintf(buf + used, n - used, " mask 0x%08x at %s:%d", t.mask, t.file, t.line);
+    }
+}
+
+// Releases the shuffle of `warp` when every lane of `me`'s mask waits in it; reports a mismatch.
+inline void try_complete_shuffle(int warp, const Thread& me)
+{
+    Launch* l = active();
+    Thread* lanes[kWarpSize] = {};
+    for (Thread& t : l->threads) {
+        if (linear_tid(t) / kWarpSize == warp) { lanes[linear_tid(t) % kWarpSize] = &t; }
+    }
+    for (int lane = 0; lane < kWarpSize; ++lane) {
+        if (!(me.mask >> lane & 1u)) { continue; }
+        Thread* t = lanes[lane];
+        char buf[256];
+        if (t == nullptr) { fail("%s at %s:%d: mask 0x%08x names lane %d, which does not exist in this block",
+                                 kind_name(me.kind), me.file, me.line, me.mask, lane); }
+        describe(*t, buf, sizeof buf);
+        if (t->state == State::kExited || t->state == State::kSync) {
+            fail("%s at %s:%d with mask 0x%08x in block (%u,%u,%u): %s", kind_name(me.kind), me.file, me.line,
+                 me.mask, l->block_idx.x, l->block_idx.y, l->block_idx.z, buf);
+        }
+        if (t->state == State::kRunnable) { return; }  // not there yet
+        if (t->kind != me.kind || t->mask != me.mask || t->width != me.width || t->line != me.line ||
+            std::strcmp(t->file, me.file) != 0) {
+            char mine[256];
+            describe(me, mine, sizeof mine);
+            fail("divergent warp-synchronous call in block (%u,%u,%u): %s; but %s", l->block_idx.x,
+                 l->block_idx.y, l->block_idx.z, mine, buf);
+        }
+    }
+    // everyone is here: each lane reads its source (CUDA's rules for width segments)
+    for (int lane = 0; lane < kWarpSize; ++lane) {
+        if (!(me.mask >> lane & 1u)) { continue; }
+        Thread& t = *lanes[lane];
+        const int w = t.width, base = lane & ~(w - 1);
+        int src = lane;
+        switch (t.kind) {
+            case ShflKind::kIdx: src = base + ((t.arg % w + w) % w); break;
+            case ShflKind::kUp: src = (lane - base) >= t.arg ? lane - t.arg : lane; break;
+            case ShflKind::kDown: src = (lane - base) + t.arg < w ? lane + t.arg : lane; break;
+            case ShflKind::kXor: src = ((lane ^ t.arg) & ~(w - 1)) == base ? lane ^ t.arg : lane; break;
+            case ShflKind::kSyncWarp: break;
+        }
+        if (!(me.mask >> src & 1u)) {
+            fail("%s at %s:%d: lane %d reads lane %d, which mask 0x%08x does not name (undefined on a GPU)",
+                 kind_name(t.kind), t.file, t.line, lane, src, t.mask);
+        }
+        t.result = lanes[src]->value;
+    }
+    for (int lane = 0; lane < kWarpSize; ++lane) {
+        if (me.mask >> lane & 1u) { lanes[lane]->state = State::kRunnable; }
+    }
+}
+
+template <class T>
+T warp_exchange(ShflKind kind, unsigned mask, T var, int arg, int width, const char* file, int line)
+{
+    static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    Thread& me = self();
+    const int lane = linear_tid(me) % kWarpSize;
+    if (!(mask >> lane & 1u)) {
+        fail("%s at %s:%d: lane %d calls it with mask 0x%08x, which does not name it", kind_name(kind), file, line,
+             lane, mask);
+    }
+    if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0) {
+        fail("%s at %s:%d: width %d is not a power of two in [1, 32]", kind_name(kind), file, line, width);
+    }
+    me.kind = kind, me.mask = mask, me.arg = arg, me.width = width, me.file = file, me.line = line;
+    me.value = 0;
+    std::memcpy(&me.value, &var, sizeof(T));
+    me.state = State::kShuffle;
+    try_complete_shuffle(linear_tid(me) / kWarpSize, me);
+    while (me.state != State::kRunnable) { yield_to_scheduler(); }
+    T out;
+    std::memcpy(&out, &me.result, sizeof(T));
+    return out;
+}
+
+inline void release_sync_if_complete()
+{
+    Launch* l = active();
+    for (const Thread& t : l->threads) {
+        if (t.state != State::kSync && t.state != State::kExited) { return; }
+    }
+    for (Thread& t : l->threads) {
+        if (t.state == State::kSync) { t.state = State::kRunnable; }
+    }
+}
+
+inline void sync_threads()
+{
+    Thread& me = self();
+    me.state = State::kSync;
+    release_sync_if_complete();
+    while (me.state != State::kRunnable) { yield_to_scheduler(); }
+}
+
+inline void thread_entry()
+{
+    Launch* l = active();
+#if defined(FPQ_EMU_ASAN)
+    __sanitizer_finish_switch_fiber(nullptr, &l->scheduler_stack, &l->scheduler_stack_size);
+#endif
+    (*l->body)();
+    Thread& me = *l->current;
+    me.state = State::kExited;
+    release_sync_if_complete();
+    // a shuffle that waits for this thread can never complete: report it now
+    for (const Thread& t : l->threads) {
+        if (t.state == State::kShuffle && linear_tid(t) / kWarpSize == linear_tid(me) / kWarpSize &&
+            (t.mask >> (linear_tid(me) % kWarpSize) & 1u)) {
+            char mine[256], theirs[256];
+            describe(me, mine, sizeof mine);
+            describe(t, theirs, sizeof theirs);
+            fail("in block (%u,%u,%u) %s while %s waits for it", l->block_idx.x, l->block_idx.y, l->block_idx.z,
+                 mine, theirs);
+        }
+    }
+#if defined(FPQ_EMU_ASAN)
+    __sanitizer_start_switch_fiber(nullptr, l->scheduler_stack, l->scheduler_stack_size);
+#endif
+    setcontext(&l->scheduler);
+}
+
+// Stacks of one block's threads, kept across blocks and launches.
+inline std::vector<void*>& stack_pool()
+{
+    static std::vector<void*> pool;
+    return pool;
+}
+
+inline void* stack_for(size_t i)
+{
+    auto& pool = stack_pool();
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    while (pool.size() <= i) {
+        void* mem = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (mem == MAP_FAILED) { fail("cannot map a thread stack"); }
+        mprotect(mem, page, PROT_NONE);  // guard page: a stack overflow faults
+        pool.push_back(static_cast<char*>(mem) + page);
+    }
+    return pool[i];
+}
+
+inline void run_block(Launch& l, uint3 block_idx, bool reverse)
+{
+    const int n = int(l.block.x * l.block.y * l.block.z);
+    l.block_idx = block_idx;
+    l.threads.assign(size_t(n), Thread{});
+    for (int i = 0; i < n; ++i) {
+        Thread& t = l.threads[size_t(i)];
+        t.thread_idx = {unsigned(i) % l.block.x, unsigned(i) / l.block.x % l.block.y, unsigned(i) / (l.block.x * l.block.y)};
+        t.stack = stack_for(size_t(i));
+        getcontext(&t.context);
+        t.context.uc_stack.ss_sp = t.stack;
+        t.context.uc_stack.ss_size = kStackBytes;
+        t.context.uc_link = nullptr;
+        makecontext(&t.context, thread_entry, 0);
+    }
+    for (;;) {
+        bool progress = false, done = true;
+        for (int j = 0; j < n; ++j) {
+            Thread& t = l.threads[size_t(reverse ? n - 1 - j : j)];
+            if (t.state != State::kExited) { done = false; }
+            if (t.state != State::kRunnable) { continue; }
+            progress = true;
+            l.current = &t;
+            ++l.switches;
+#if defined(FPQ_EMU_ASAN)
+            void* fake = nullptr;
+            __sanitizer_start_switch_fiber(&fake, t.stack, kStackBytes);
+#endif
+            swapcontext(&l.scheduler, &t.context);
+#if defined(FPQ_EMU_ASAN)
+            __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+            l.current = nullptr;
+        }
+        if (done) { return; }
+        if (!progress) {
+            std::fprintf(stderr, "cuda-emulation: deadlock in block (%u,%u,%u):\n", block_idx.x, block_idx.y,
+                         block_idx.z);
+            for (const Thread& t : l.threads) {
+                char buf[256];
+                describe(t, buf, sizeof buf);
+                if (t.state != State::kExited) { std::fprintf(stderr, "  %s\n", buf); }
+            }
+            fail("deadlock");
+        }
+    }
+}
+
+struct LaunchStats {
+    uint64_t blocks = 0, threads = 0, switches = 0;
+};
+
+// Runs `body` (the kernel call) as every thread of every block of grid x block. Blocks run in order,
+// or in reverse order (and each block's threads are first scheduled in reverse) when `reverse`.
+inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& body, bool reverse = false)
+{
+    if (block.x * block.y * block.z == 0 || block.x * block.y * block.z > 1024) {
+        fail("launch with %u x %u x %u threads per block (allowed: 1..1024)", block.x, block.y, block.z);
+    }
+    if (active() != nullptr) { fail("nested launch"); }
+    Launch l;
+    l.grid = grid, l.block = block, l.body = &body;
+    active() = &l;
+    const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
+    for (uint64_t i = 0; i < total; ++i) {
+        const uint64_t b = reverse ? total - 1 - i : i;
+        run_block(l, {unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (uint64_t(grid.x) * grid.y))},
+                  reverse);
+    }
+    active() = nullptr;
+    return {total, total * block.x * block.y * block.z, l.switches};
+}
+
+}  // namespace fpq_emu
+
+// ---- builtins --------------------------------------------------------------------------------------
+#define threadIdx (::fpq_emu::thread_idx())
+#define blockIdx (::fpq_emu::block_idx())
+#define blockDim (::fpq_emu::block_dim())
+#define gridDim (::fpq_emu::grid_dim())
+#define warpSize 32
+
+inline void __syncthreads() { fpq_emu::sync_threads(); }
+
+#define __shfl_sync(mask, var, lane, ...) \
+    ::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kIdx, mask, var, lane, FPQ_EMU_WIDTH(__VA_ARGS__), __FILE__, __LINE__)
+#define __shfl_up_sync(mask, var, delta, ...) \
+    ::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kUp, mask, var, delta, FPQ_EMU_WIDTH(__VA_ARGS__), __FILE__, __LINE__)
+#define __shfl_down_sync(mask, var, delta, ...) \
+    ::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kDown, mask, var, delta, FPQ_EMU_WIDTH(__VA_ARGS__), __FILE__, __LINE__)
+#define __shfl_xor_sync(mask, var, lane_mask, ...) \
+    ::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kXor, mask, var, lane_mask, FPQ_EMU_WIDTH(__VA_ARGS__), __FILE__, __LINE__)
+#define __syncwarp(...) \
+    (void)::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kSyncWarp, FPQ_EMU_MASK(__VA_ARGS__), 0, 0, 32, __FILE__, __LINE__)
+// the optional trailing width (default warpSize) and __syncwarp's optional mask (default all lanes)
+#define FPQ_EMU_WIDTH(...) (::fpq_emu::optional_int(32, ##__VA_ARGS__))
+#define FPQ_EMU_MASK(...) (unsigned(::fpq_emu::optional_int(int(0xffffffffu), ##__VA_ARGS__)))
+namespace fpq_emu {
+inline int optional_int(int fallback) { return fallback; }
+inline int optional_int(int, int given) { return given; }
+}  // namespace fpq_emu

@@ -1,0 +1,200 @@
+// The emulation-side binding: a process that runs the CUDA kernels of csrc/ (fp_quantize_kernels.cuh,
+// the same launch_over_groups as fp_quantize_cuda.cu) in the CPU emulation of cuda_emulation.h, built
+// with AddressSanitizer and UndefinedBehaviorSanitizer. cuda_emulation.py drives it over stdin/stdout:
+//
+//   request:  Request, then the input buffers (quantize: x, given scales if any; dequantize: codes,
+//             scales), each exactly the size the geometry gives
+//   response: Response, then the output buffers (quantize: codes, scales; dequantize: out)
+//
+// Every buffer is its own heap allocation that ends exactly where the data ends (ASan's redzone
+// follows) and starts `misalign` bytes into the allocation, those bytes poisoned: any read or write
+// outside a buffer aborts with ASan's report. Each request runs the launch twice, blocks forward with
+// outputs pre-filled with 0x00, then blocks (and threads) in reverse with 0xFF: the two results must
+// be identical, so every output byte is written, and written independently of the block order.
+
+#include "cuda_emulation.h"
+#include "fp_quantize_kernels.cuh"
+
+#include <sanitizer/asan_interface.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+namespace {
+
+constexpr uint64_t kMagic = 0x31554d4551504655ull;  // "UFPQEMU1"
+
+struct Request {
+    uint64_t magic;
+    int32_t op;  // 0 quantize, 1 dequantize
+    int32_t ebits, mbits;
+    int32_t dtype;       // fpq::DType
+    int32_t scale_mode;  // fpq::ScaleMode (quantize)
+    int32_t stochastic;
+    int32_t has_given_scales;
+    int32_t pad;
+    int64_t rows, k, group_size, max_blocks;
+    uint64_t seed, offset;
+    int64_t misalign[4];  // quantize: x, given scales, codes, scales; dequantize: codes, scales, out
+};
+
+struct Response {
+    uint64_t magic;
+    int64_t launched;  // 0 when the geometry has no groups
+    int64_t grid_x, block_x, team_log2, total_groups;
+    uint64_t threads, switches;
+};
+
+// One buffer: a heap allocation of misalign + size bytes, the first misalign bytes poisoned.
+struct Buffer {
+    uint8_t* base = nullptr;
+    uint8_t* data = nullptr;
+    size_t size = 0, misalign = 0;
+
+    Buffer(size_t size_, int64_t misalign_) : size(size_), misalign(size_t(misalign_))
+    {
+        if (misalign_ < 0 || misalign_ > 64) { fpq_emu::fail("misalign %lld is outside [0, 64]", (long long)misalign_); }
+        void* p = nullptr;
+        if (posix_memalign(&p, 256, misalign + size + (misalign + size == 0)) != 0) { fpq_emu::fail("out of memory"); }
+        base = static_cast<uint8_t*>(p);
+        data = base + misalign;
+        ASAN_POISON_MEMORY_REGION(base, misalign);
+    }
+    ~Buffer()
+    {
+        ASAN_UNPOISON_MEMORY_REGION(base, misalign);
+        std::free(base);
+    }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+};
+
+void read_exact(void* dst, size_t n)
+{
+    if (n > 0 && std::fread(dst, 1, n, stdin) != n) { fpq_emu::fail("short read on stdin (%zu bytes wanted)", n); }
+}
+
+void write_exact(const void* src, size_t n)
+{
+    if (n > 0 && std::fwrite(src, 1, n, stdout) != n) { fpq_emu::fail("short write on stdout"); }
+}
+
+// The Format whose traits have (ebits, mbits): the ids are tried until dispatch_format refuses one.
+fpq::Format format_of(int ebits, int mbits)
+{
+    for (int id = 0;; ++id) {
+        bool match = false;
+        try {
+            match = fpq::dispatch_format(fpq::Format(id), [&](auto f) {
+                return decltype(f)::kEbits == ebits && decltype(f)::kMbits == mbits;
+            });
+        } catch (const std::invalid_argument&) {
+            fpq_emu::fail("no kernel format has ebits=%d mbits=%d", ebits, mbits);
+        }
+        if (match) { return fpq::Format(id); }
+    }
+}
+
+size_t element_size(fpq::DType dtype)
+{
+    return fpq::dispatch_dtype(dtype, [](auto tag) { return sizeof(tag); });
+}
+
+// Runs the launch of `args` (forward or reverse) and records its shape in `resp`.
+template <class Args>
+void run(fpq::Format fmt, const Args& args, int64_t max_blocks, bool reverse, Response& resp)
+{
+    fpq::cuda_kernels::launch_over_groups(
+        fmt, args, max_blocks,
+        [&](auto kernel, dim3 grid, dim3 block, const fpq::cuda_kernels::Geometry& g, int team_log2) {
+            const auto stats = fpq_emu::launch(grid, block, [&] { kernel(args, g, team_log2); }, reverse);
+            resp.launched = 1;
+            resp.grid_x = grid.x, resp.block_x = block.x, resp.team_log2 = team_log2, resp.total_groups = g.total;
+            resp.threads = stats.threads, resp.switches += stats.switches;
+        });
+}
+
+void compare_runs(const Buffer& a, const Buffer& b, const char* what)
+{
+    for (size_t i = 0; i < a.size; ++i) {
+        if (a.data[i] != b.data[i]) {
+            fpq_emu::fail("%s byte %zu differs between the runs pre-filled with 0x00 (0x%02x, blocks forward) and "
+                          "0xFF (0x%02x, blocks reversed): not written, or written depending on the block order",
+                          what, i, a.data[i], b.data[i]);
+        }
+    }
+}
+
+void serve(const Request& req)
+{
+    const fpq::Format fmt = format_of(req.ebits, req.mbits);
+    const auto dtype = fpq::DType(req.dtype);
+    const size_t esize = element_size(dtype);
+    const int bits = 1 + req.ebits + req.mbits;
+    const int64_t rows = req.rows, k = req.k, g = req.group_size;
+    if (rows < 0 || k < 0 || g < 1) { fpq_emu::fail("bad geometry rows=%lld k=%lld G=%lld", (long long)rows, (long long)k, (long long)g); }
+    const size_t n_scales = size_t(rows * (k == 0 ? 0 : fpq::ceil_div(k, g)));
+    const size_t code_bytes = size_t(rows * fpq::row_bytes(k, g, bits));
+    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0};
+
+    if (req.op == 0) {
+        const bool e8m0 = req.scale_mode != int(fpq::ScaleMode::kFp32);
+        Buffer x(size_t(rows * k) * esize, req.misalign[0]);
+        Buffer given(req.has_given_scales ? n_scales * 4 : 0, req.misalign[1]);
+        read_exact(x.data, x.size);
+        read_exact(given.data, given.size);
+        std::unique_ptr<Buffer> outs[2][2];
+        for (int pass = 0; pass < 2; ++pass) {
+            outs[pass][0] = std::make_unique<Buffer>(code_bytes, req.misalign[2]);
+            outs[pass][1] = std::make_unique<Buffer>(n_scales * (e8m0 ? 1 : 4), req.misalign[3]);
+            for (auto& b : outs[pass]) { std::memset(b->data, pass ? 0xff : 0x00, b->size); }
+            fpq::QuantizeArgs a;
+            a.x = x.data, a.dtype = dtype, a.rows = rows, a.k = k, a.group_size = g;
+            a.given_scales = req.has_given_scales ? reinterpret_cast<const float*>(given.data) : nullptr;
+            a.codes = outs[pass][0]->data;
+            a.scales = e8m0 ? nullptr : reinterpret_cast<float*>(outs[pass][1]->data);
+            a.scale_bytes = e8m0 ? outs[pass][1]->data : nullptr;
+            a.scale_mode = fpq::ScaleMode(req.scale_mode);
+            a.stochastic = req.stochastic != 0, a.seed = req.seed, a.offset = req.offset;
+            run(fmt, a, req.max_blocks, pass == 1, resp);
+        }
+        compare_runs(*outs[0][0], *outs[1][0], "codes");
+        compare_runs(*outs[0][1], *outs[1][1], "scales");
+        write_exact(&resp, sizeof resp);
+        write_exact(outs[0][0]->data, outs[0][0]->size);
+        write_exact(outs[0][1]->data, outs[0][1]->size);
+    } else if (req.op == 1) {
+        Buffer codes(code_bytes, req.misalign[0]);
+        Buffer scales(n_scales * 4, req.misalign[1]);
+        read_exact(codes.data, codes.size);
+        read_exact(scales.data, scales.size);
+        std::unique_ptr<Buffer> outs[2];
+        for (int pass = 0; pass < 2; ++pass) {
+            outs[pass] = std::make_unique<Buffer>(size_t(rows * k) * esize, req.misalign[2]);
+            std::memset(outs[pass]->data, pass ? 0xff : 0x00, outs[pass]->size);
+            fpq::DequantizeArgs a;
+            a.codes = codes.data, a.scales = reinterpret_cast<const float*>(scales.data);
+            a.out = outs[pass]->data, a.dtype = dtype, a.rows = rows, a.k = k, a.group_size = g;
+            run(fmt, a, req.max_blocks, pass == 1, resp);
+        }
+        compare_runs(*outs[0], *outs[1], "out");
+        write_exact(&resp, sizeof resp);
+        write_exact(outs[0]->data, outs[0]->size);
+    } else {
+        fpq_emu::fail("unknown op %d", req.op);
+    }
+    std::fflush(stdout);
+}
+
+}  // namespace
+
+int main()
+{
+    Request req;
+    while (std::fread(&req, sizeof req, 1, stdin) == 1) {
+        if (req.magic != kMagic) { fpq_emu::fail("bad request magic"); }
+        serve(req);
+    }
+    return 0;
+}

@@ -1,0 +1,91 @@
+"""Fault injection: deliberately broken copies of the CUDA kernels must fail the emulation tests.
+
+Each mutant is the repository's fp_quantize_kernels.cuh with one edit (the edited text must still be
+there, so a refactoring cannot turn a mutant into the original silently), built for sm_90 and run
+through a battery of the same reference comparisons as test_cuda_emulation.py. The battery must
+fail, by a wrong bit, an unwritten byte, an ASan/UBSan report or a warp-synchronisation error.
+"""
+
+import pytest
+import torch
+
+from unit.oracle import special_input
+from unit.ops.fp_quantizer.emulation import cuda_emulation
+from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check
+
+KERNELS = (cuda_emulation.KERNEL_INCLUDES / "fp_quantize_kernels.cuh").read_text()
+
+#: name -> (text of the kernels header, its broken replacement); the first occurrence is replaced.
+MUTANTS = {
+    "quantize tail off by one (reads and encodes one element past a ragged group)": (
+        "const int64_t len = active ? min(g.group_size, g.k - start) : 0;",
+        "const int64_t len = active ? min(g.group_size, g.k - start + 1) : 0;"),
+    "dequantize tail off by one (writes one element past a ragged group)": (
+        "const int64_t len = min(g.group_size, g.k - start);",
+        "const int64_t len = min(g.group_size, g.k - start + 1);"),
+    "last chunk's code bytes off by one": (
+        "return left < kBytes ? int(left) : kBytes;",
+        "return left < kBytes ? int(left) + 1 : kBytes;"),
+    "wrong team mask (lane index masked with the team size, not size - 1)": (
+        "return {int(threadIdx.x & ((1 << team_log2) - 1)),",
+        "return {int(threadIdx.x & (1 << team_log2)),"),
+    "shuffle mask names half the warp": (
+        "constexpr unsigned kFullMask = 0xffffffffu;",
+        "constexpr unsigned kFullMask = 0x0000ffffu;"),
+    "team amax reduction one step short": (
+        "for (int offset = (1 << team_log2) >> 1; offset > 0; offset >>= 1) {",
+        "for (int offset = (1 << team_log2) >> 1; offset > 1; offset >>= 1) {"),
+    "missing active guard (lanes past the last group write its scale)": (
+        "        if (!active) { continue; }\n", ""),
+    "16-byte load without the alignment check": (
+        "if (n_valid >= kChunk && aligned_to(p, 16)) {", "if (n_valid >= kChunk) {"),
+    "warp-divergent group loop (no warp offset: teams of a warp leave the loop at different trips)": (
+        "const int64_t warp_offset = (threadIdx.x & 31) >> team_log2;", "const int64_t warp_offset = 0;"),
+    "hardware fp8 pair unpacked in the wrong byte order": (
+        "codes[j] = pair & 0xffu;\n            codes[j + 1] = pair >> 8;",
+        "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
+    "stochastic rounding reads the wrong Philox word": (
+        "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
+}
+
+
+def mutant_header(name: str) -> str:
+    original, broken = MUTANTS[name]
+    assert original in KERNELS, f"mutant {name!r}: {original!r} is no longer in fp_quantize_kernels.cuh"
+    return KERNELS.replace(original, broken, 1)
+
+
+@pytest.fixture(scope="module")
+def built_mutants():
+    if not cuda_emulation.compiler_available():
+        pytest.skip(f"no C++ compiler ({cuda_emulation.CXX}) to build the CUDA emulation")
+    cuda_emulation.build_all([(900, mutant_header(name)) for name in MUTANTS])
+
+
+def battery(op: EmulatedCudaOp) -> None:
+    """The emulation tests' paths in a few calls: teams of 1..32 lanes on ragged rows, 4/6/8-bit codes,
+    misaligned buffers, a wrapped grid, stochastic rounding with an offset that starts mid-block."""
+    for group_size in [1, 8, 100, 1537]:
+        check(op, special_input((3, 2 * group_size + 5), torch.bfloat16, seed=group_size), "e4m3", group_size)
+    check(op, special_input((3, 205), torch.float32, seed=2), "e2m1", 100)
+    check(op, special_input((7, 13), torch.float16, seed=3), "e3m2", 8)
+    check(op, special_input((4, 37), torch.float32, seed=4), "e4m3", 37, rounding="stochastic", seed=9, offset=3)
+    op.misalign = {"x": 2, "out": 2, "codes": 1}
+    check(op, special_input((3, 136), torch.bfloat16, seed=5), "e4m3", 64, out_dtypes=[torch.bfloat16])
+    op.misalign, op.max_blocks = {}, 1
+    check(op, special_input((70, 103), torch.bfloat16, seed=6), "e2m1", 100)
+
+
+def test_battery_passes_on_the_real_kernels(sm90):
+    battery(sm90)
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_broken_kernel_is_caught(built_mutants, name):
+    op = EmulatedCudaOp(900, mutant_header(name))
+    try:
+        with pytest.raises(AssertionError) as caught:
+            battery(op)
+    finally:
+        op.close()
+    print(f"{name}: caught by {str(caught.value).splitlines()[0][:200]}")
