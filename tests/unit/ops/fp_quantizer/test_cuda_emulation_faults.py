@@ -1,6 +1,6 @@
 """Fault injection: deliberately broken copies of the CUDA kernels must fail the emulation tests.
 
-Each mutant is the repository's fp_quantize_kernels.cuh with one edit (the edited text must still be
+Each mutant is the repository's kernel headers with one edit in one file (the edited text must still be
 there, so a refactoring cannot turn a mutant into the original silently), built for sm_90 and run
 through a battery of the same reference comparisons as test_cuda_emulation.py. The battery must
 fail, by a wrong bit, an unwritten byte, an ASan/UBSan report or a warp-synchronisation error.
@@ -13,53 +13,54 @@ from unit.oracle import special_input
 from unit.ops.fp_quantizer.emulation import cuda_emulation
 from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check
 
-KERNELS = (cuda_emulation.KERNEL_INCLUDES / "fp_quantize_kernels.cuh").read_text()
+KERNELS = "fp_quantize_kernels.cuh"
 
-#: name -> (text of the kernels header, its broken replacement); the first occurrence is replaced.
+#: name -> (header, its text, the broken replacement); the first occurrence is replaced.
 MUTANTS = {
     "quantize tail off by one (reads and encodes one element past a ragged group)": (
-        "const int64_t len = active ? min(g.group_size, g.k - start) : 0;",
+        KERNELS, "const int64_t len = active ? min(g.group_size, g.k - start) : 0;",
         "const int64_t len = active ? min(g.group_size, g.k - start + 1) : 0;"),
     "dequantize tail off by one (writes one element past a ragged group)": (
-        "const int64_t len = min(g.group_size, g.k - start);",
+        KERNELS, "const int64_t len = min(g.group_size, g.k - start);",
         "const int64_t len = min(g.group_size, g.k - start + 1);"),
     "last chunk's code bytes off by one": (
-        "return left < kBytes ? int(left) : kBytes;",
+        KERNELS, "return left < kBytes ? int(left) : kBytes;",
         "return left < kBytes ? int(left) + 1 : kBytes;"),
     "wrong team mask (lane index masked with the team size, not size - 1)": (
-        "return {int(threadIdx.x & ((1 << team_log2) - 1)),",
+        KERNELS, "return {int(threadIdx.x & ((1 << team_log2) - 1)),",
         "return {int(threadIdx.x & (1 << team_log2)),"),
     "shuffle mask names half the warp": (
-        "constexpr unsigned kFullMask = 0xffffffffu;",
+        KERNELS, "constexpr unsigned kFullMask = 0xffffffffu;",
         "constexpr unsigned kFullMask = 0x0000ffffu;"),
     "team amax reduction one step short": (
-        "for (int offset = (1 << team_log2) >> 1; offset > 0; offset >>= 1) {",
+        KERNELS, "for (int offset = (1 << team_log2) >> 1; offset > 0; offset >>= 1) {",
         "for (int offset = (1 << team_log2) >> 1; offset > 1; offset >>= 1) {"),
     "missing active guard (lanes past the last group write its scale)": (
-        "        if (!active) { continue; }\n", ""),
+        KERNELS, "        if (!active) { continue; }\n", ""),
     "16-byte load without the alignment check": (
-        "if (n_valid >= kChunk && aligned_to(p, 16)) {", "if (n_valid >= kChunk) {"),
+        KERNELS, "if (n_valid >= kChunk && aligned_to(p, 16)) {", "if (n_valid >= kChunk) {"),
     "warp-divergent group loop (no warp offset: teams of a warp leave the loop at different trips)": (
-        "const int64_t warp_offset = (threadIdx.x & 31) >> team_log2;", "const int64_t warp_offset = 0;"),
+        KERNELS, "const int64_t warp_offset = (threadIdx.x & 31) >> team_log2;", "const int64_t warp_offset = 0;"),
     "hardware fp8 pair unpacked in the wrong byte order": (
-        "codes[j] = pair & 0xffu;\n            codes[j + 1] = pair >> 8;",
+        KERNELS, "codes[j] = pair & 0xffu;\n            codes[j + 1] = pair >> 8;",
         "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
     "stochastic rounding reads the wrong Philox word": (
-        "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
+        KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
 }
 
 
-def mutant_header(name: str) -> str:
-    original, broken = MUTANTS[name]
-    assert original in KERNELS, f"mutant {name!r}: {original!r} is no longer in fp_quantize_kernels.cuh"
-    return KERNELS.replace(original, broken, 1)
+def mutant_headers(name: str) -> dict:
+    header, original, broken = MUTANTS[name]
+    text = (cuda_emulation.KERNEL_INCLUDES / header).read_text()
+    assert original in text, f"mutant {name!r}: {original!r} is no longer in {header}"
+    return {header: text.replace(original, broken, 1)}
 
 
 @pytest.fixture(scope="module")
 def built_mutants():
     if not cuda_emulation.compiler_available():
         pytest.skip(f"no C++ compiler ({cuda_emulation.CXX}) to build the CUDA emulation")
-    cuda_emulation.build_all([(900, mutant_header(name)) for name in MUTANTS])
+    cuda_emulation.build_all([(900, mutant_headers(name)) for name in MUTANTS])
 
 
 def battery(op: EmulatedCudaOp) -> None:
@@ -82,7 +83,7 @@ def test_battery_passes_on_the_real_kernels(sm90):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_broken_kernel_is_caught(built_mutants, name):
-    op = EmulatedCudaOp(900, mutant_header(name))
+    op = EmulatedCudaOp(900, mutant_headers(name))
     try:
         with pytest.raises(AssertionError) as caught:
             battery(op)

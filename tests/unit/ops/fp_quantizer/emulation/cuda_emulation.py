@@ -62,29 +62,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DS_FPQUANT_EMULATION_CACHE", Path.home() / ".cache" / "ds_fpquant" / "emulation"))
 
 
-def build(arch: Optional[int], kernels_header: Optional[str] = None) -> Path:
+def build(arch: Optional[int], headers: Optional[Dict[str, str]] = None) -> Path:
     """The emulation executable for ``__CUDA_ARCH__ = arch`` (unset for ``None``), built once per source hash.
 
-    ``kernels_header`` replaces the text of ``fp_quantize_kernels.cuh`` (the deliberately broken kernels of
-    the fault-injection tests); the other headers are the repository's.
+    ``headers`` maps file names of ``csrc/fp_quantizer/includes`` to replacement texts (the deliberately
+    broken kernels of the fault-injection tests): the build then uses a copy of that folder with them.
     """
     flags = list(FLAGS) + ([f"-D__CUDA_ARCH__={arch}"] if arch is not None else [])
+    headers = dict(headers or {})
+    sources = {path.name: path.read_text() for path in sorted(KERNEL_INCLUDES.iterdir())}
+    unknown = set(headers) - set(sources)
+    if unknown:
+        raise ValueError(f"headers={sorted(unknown)} are not in {KERNEL_INCLUDES}")
+    sources.update(headers)
     digest = hashlib.sha256("\0".join([CXX, *flags]).encode())
-    for path in sorted(KERNEL_INCLUDES.iterdir()) + list(SOURCES):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    if kernels_header is not None:
-        digest.update(b"mutant\0" + kernels_header.encode())
+    for name, text in [*sorted(sources.items()), *((p.name, p.read_text()) for p in SOURCES)]:
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     out = cache_dir() / f"emulated_op-sm{arch or 'none'}-{digest.hexdigest()[:20]}"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        includes = [f"-I{KERNEL_INCLUDES}", f"-I{HERE}"]
-        if kernels_header is not None:
-            Path(tmp, "fp_quantize_kernels.cuh").write_text(kernels_header)
-            includes.insert(0, f"-I{tmp}")  # found before the repository's copy
+        includes = KERNEL_INCLUDES
+        if headers:  # a whole copy, so that headers including each other see the replaced texts
+            includes = Path(tmp, "includes")
+            includes.mkdir()
+            for name, text in sources.items():
+                (includes / name).write_text(text)
         exe = Path(tmp, "emulated_op")
-        proc = subprocess.run([CXX, *flags, *includes, str(HERE / "emulated_op.cpp"), "-o", str(exe)],
+        proc = subprocess.run([CXX, *flags, f"-I{includes}", f"-I{HERE}", str(HERE / "emulated_op.cpp"), "-o", str(exe)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"building the CUDA emulation failed:\n{proc.stderr[-4000:]}")
@@ -117,9 +123,9 @@ class EmulatedCudaOp:
     kernels' grid-stride loops take the rest). ``last_launch`` describes the last call's launch.
     """
 
-    def __init__(self, arch: Optional[int], kernels_header: Optional[str] = None):
+    def __init__(self, arch: Optional[int], headers: Optional[Dict[str, str]] = None):
         self.arch = arch
-        self.exe = build(arch, kernels_header)
+        self.exe = build(arch, headers)
         self.misalign: Dict[str, int] = {}
         self.max_blocks = 1 << 20
         self.last_launch: Optional[LaunchInfo] = None
@@ -237,8 +243,8 @@ def installed_as_cpu_op(op: EmulatedCudaOp):
             backends._ops["cpu"] = saved
 
 
-def build_all(specs: Sequence[Tuple[Optional[int], Optional[str]]]) -> None:
-    """Build the executables of the ``(arch, kernels_header)`` pairs, in parallel (one compiler per core)."""
+def build_all(specs: Sequence[Tuple[Optional[int], Optional[Dict[str, str]]]]) -> None:
+    """Build the executables of the ``(arch, headers)`` pairs, in parallel (one compiler per core)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(specs), os.cpu_count() or 1))) as pool:
