@@ -345,7 +345,9 @@ def quantize(
         scale_format: ``"fp32"`` (SPEC 3.1) or ``"e8m0"`` (SPEC 3.2, power-of-two scales stored as
             bytes). ``None`` (not given): ``"fp32"``, or the preset's (``"e8m0"`` for the MX presets,
             ``"e4m3"`` for NVFP4); a preset refuses any other value (``ValueError``).
-        scale_rounding: E8M0 only: ``"ceil"`` (no element saturates) or ``"floor"`` (OCP MX rule).
+        scale_rounding: E8M0 only: ``"ceil"`` (no element saturates, except within a factor 2 of FLT_MAX
+            where the exponent is capped at ``127 - emax_elem`` so that nothing dequantizes to Inf) or
+            ``"floor"`` (OCP MX rule); SPEC 3.2.
         rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SPEC 4: unbiased, one Philox4x32-10 word
             per element; all backends give the same bits for the same ``seed`` and ``offset``).
         seed: 64-bit stochastic-rounding key; ``None`` draws one from torch's default generator

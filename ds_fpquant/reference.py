@@ -192,6 +192,8 @@ def encode_stochastic(x: torch.Tensor, r: torch.Tensor, u: torch.Tensor, fmt: FP
 #: E8M0 stores ``e + 127``; byte 255 is NaN, byte 0 is 2^-127 (OCP MX v1.0, ml_dtypes.float8_e8m0fnu).
 E8M0_BIAS = 127
 E8M0_NAN = 255
+#: The largest E8M0 exponent, 2^127 (byte 254).
+E8M0_MAX_EXPONENT = 127
 
 
 def pow2(k: torch.Tensor) -> torch.Tensor:
@@ -206,13 +208,16 @@ def e8m0_exponents(amax: torch.Tensor, fmt: FPFormat, scale_rounding: str) -> to
 
     ``"floor"``: ``e = floor(log2(amax)) - emax_elem`` (OCP MX v1.0). ``"ceil"``: the smallest
     ``e`` with ``amax <= fmax * 2^e``, which is the floor exponent or one more (``fmax < 2^(emax+1)``);
-    the comparison is exact in float64.
+    the comparison is exact in float64. Both are capped at ``127 - emax_elem`` so that ``fmax * 2^e``,
+    and with it every decoded value, is finite (it binds only for ceil, within a factor 2 of FLT_MAX;
+    the elements above ``fmax * 2^e`` then saturate).
     """
     _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2) = exponent - 1
     e = exponent.to(torch.int64) - 1 - fmt.emax
     if scale_rounding == "ceil":
         e = e + (amax.double() > fmt.fmax * torch.exp2(e.double())).to(torch.int64)
-    return torch.where(amax == 0, torch.zeros_like(e), e).clamp(-127, 127)
+    e = e.clamp(max=E8M0_MAX_EXPONENT - fmt.emax)
+    return torch.where(amax == 0, torch.zeros_like(e), e).clamp(min=-127)
 
 
 def e8m0_decode(byte: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,7 @@ FPQ_HD float multiplier_from_scale(float s) { return div_rn(1.0f, s); }
 // E8M0 power-of-two scales (SPEC 3.2): s = 2^e stored as the byte e + 127; 255 is NaN.
 // ---------------------------------------------------------------------------------------------
 constexpr int kE8m0Bias = 127;
+constexpr int kE8m0MaxExponent = 127;  // 2^127, byte 254
 constexpr uint32_t kE8m0Nan = 255;
 enum class ScaleMode : int { kFp32 = 0, kE8m0Ceil = 1, kE8m0Floor = 2 };
 
@@ -164,20 +165,24 @@ FPQ_HD float pow2f(int k)
     return bits_f32(k >= -126 ? uint32_t(k + kF32Bias) << kF32ManBits : 1u << (k + 149));
 }
 
-// e of SPEC 3.2 from the bits of amax (finite, >= 0), clamped to [-127, 127]. floor: floor(log2
+// e of SPEC 3.2 from the bits of amax (finite, >= 0), in [-127, 127 - emax_elem]. floor: floor(log2
 // amax) - emax_elem. ceil: the smallest e with amax <= fmax * 2^e, which is one more than floor
-// exactly when amax's significand exceeds fmax's (both normalised to [1, 2)). A subnormal amax is
-// first scaled by 2^64 (exact) to read its exponent and significand.
+// exactly when amax's significand exceeds fmax's (both normalised to [1, 2)). Both are capped at
+// 127 - emax_elem, so that fmax * 2^e and every decoded value stay finite (binds only for ceil near
+// FLT_MAX; the elements above fmax * 2^e then saturate). A subnormal amax is first scaled by 2^64
+// (exact) to read its exponent and significand.
 template <class F>
 FPQ_HD int e8m0_exponent(uint32_t amax_bits, bool ceil)
 {
+    constexpr int kCap = kE8m0MaxExponent - F::kEmax;
     if (amax_bits == 0) { return 0; }
     const bool subnormal = (amax_bits >> kF32ManBits) == 0;
     const uint32_t bits = subnormal ? f32_bits(mul_rn(bits_f32(amax_bits), pow2f(64))) : amax_bits;
     const int e_log2 = int(bits >> kF32ManBits) - kF32Bias - (subnormal ? 64 : 0);
     int e = e_log2 - F::kEmax;
     if (ceil && (bits & 0x7fffffu) > (F::kFmaxBits & 0x7fffffu)) { ++e; }
-    return e < -127 ? -127 : (e > 127 ? 127 : e);
+    e = e > kCap ? kCap : e;
+    return e < -127 ? -127 : e;
 }
 
 // ---------------------------------------------------------------------------------------------

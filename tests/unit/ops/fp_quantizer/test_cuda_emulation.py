@@ -69,6 +69,12 @@ def test_e8m0_scales_match_reference(sm90, fmt, scale_rounding, group_size):
     check(sm90, x, fmt, group_size, scale_format="e8m0", scale_rounding=scale_rounding)
     tiny = torch.tensor([[2.0**-140, -(2.0**-149), 0.0, 2.0**-127]])  # subnormal amax, E8M0 at its floor
     check(sm90, tiny, fmt, 4, scale_format="e8m0", scale_rounding=scale_rounding)
+    f = fpq.get_format(fmt)  # SPEC 3.2 cap: amax at FLT_MAX and one fp32 step either side of fmax * 2^(127 - emax)
+    boundary = torch.tensor(f.fmax * 2.0 ** (127 - f.emax), dtype=torch.float32)
+    near = [torch.finfo(torch.float32).max, torch.nextafter(boundary, boundary * 2).item(), boundary.item(),
+            torch.nextafter(boundary, boundary * 0).item()]
+    top = torch.tensor([[a, -a / 3, 1.0, 0.0] for a in near])
+    check(sm90, top, fmt, 4, scale_format="e8m0", scale_rounding=scale_rounding)
 
 
 @pytest.mark.parametrize("preset", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4"])

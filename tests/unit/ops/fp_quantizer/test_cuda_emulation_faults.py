@@ -14,6 +14,7 @@ from unit.ops.fp_quantizer.emulation import cuda_emulation
 from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check
 
 KERNELS = "fp_quantize_kernels.cuh"
+CODEC = "fp_codec.h"
 
 #: name -> (header, its text, the broken replacement); the first occurrence is replaced.
 MUTANTS = {
@@ -46,6 +47,8 @@ MUTANTS = {
         "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
     "stochastic rounding reads the wrong Philox word": (
         KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
+    "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
+        CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }
 
 
@@ -65,12 +68,14 @@ def built_mutants():
 
 def battery(op: EmulatedCudaOp) -> None:
     """The emulation tests' paths in a few calls: teams of 1..32 lanes on ragged rows, 4/6/8-bit codes,
-    misaligned buffers, a wrapped grid, stochastic rounding with an offset that starts mid-block."""
+    misaligned buffers, a wrapped grid, stochastic rounding with an offset that starts mid-block, an E8M0
+    scale at the top of fp32."""
     for group_size in [1, 8, 100, 1537]:
         check(op, special_input((3, 2 * group_size + 5), torch.bfloat16, seed=group_size), "e4m3", group_size)
     check(op, special_input((3, 205), torch.float32, seed=2), "e2m1", 100)
     check(op, special_input((7, 13), torch.float16, seed=3), "e3m2", 8)
     check(op, special_input((4, 37), torch.float32, seed=4), "e4m3", 37, rounding="stochastic", seed=9, offset=3)
+    check(op, torch.tensor([[3.4028235e38] + [1.0] * 31]), "mxfp4")  # E8M0 scale at the top of fp32
     op.misalign = {"x": 2, "out": 2, "codes": 1}
     check(op, special_input((3, 136), torch.bfloat16, seed=5), "e4m3", 64, out_dtypes=[torch.bfloat16])
     op.misalign, op.max_blocks = {}, 1

@@ -39,6 +39,7 @@ def _oracle_e(amax: float, fmt: str, rounding: str) -> int:
         e = e_floor - EMAX_ELEM[fmt] - 1
         while a > Fraction(SPEC_FMAX[fmt]) * Fraction(2) ** e:
             e += 1
+        e = min(e, 127 - EMAX_ELEM[fmt])  # SPEC 3.2: fmax * 2^e stays finite
     return max(-127, min(127, e))
 
 
@@ -91,6 +92,47 @@ def test_ceil_never_saturates_floor_may(fmt):
     floor = fpq.quantize(x, fmt, 4, scale_format="e8m0", scale_rounding="floor")
     assert ceil.scales.item() == 128 and floor.scales.item() == 127
     assert ceil.dequantize()[0].item() <= 2 * f.fmax and floor.dequantize()[0].item() == f.fmax  # saturated
+
+
+def _cap_boundary(fmt: str) -> np.float32:
+    """fmax * 2^(127 - emax_elem): the largest amax whose ceil exponent is not capped (SPEC 3.2)."""
+    return np.float32(Fraction(SPEC_FMAX[fmt]) * Fraction(2) ** (127 - EMAX_ELEM[fmt]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+def test_e8m0_exponent_cap_near_flt_max(target, fmt, rounding):
+    """SPEC 3.2: amax at FLT_MAX, at the cap boundary and one fp32 step either side of it: the scale byte,
+    the codes and finite dequantized values, exactly as the exact-rational oracle; with small values too."""
+    flt_max = np.finfo(np.float32).max
+    boundary = _cap_boundary(fmt)
+    below, above = np.nextafter(boundary, np.float32(0)), np.nextafter(boundary, np.float32(np.inf))
+    groups = []
+    for amax in [flt_max, above, boundary, below]:
+        group = np.array([amax, -amax, np.float32(amax / 3), 1.0, -2.0**-100, 0.0, 2.0**-140, 3.0], np.float32)
+        groups.append(np.resize(group, 32))
+    x = np.concatenate(groups)
+    packed, scale_bytes, deq = _oracle(x, fmt, 32, rounding)
+    qt = fpq.quantize(torch.from_numpy(x).to(target.device), fmt, 32, grouping="flat", scale_format="e8m0",
+                      scale_rounding=rounding, backend=target.backend)
+    assert_bitwise_equal(qt.scales.cpu(), scale_bytes, f"{fmt} {rounding} E8M0 bytes near FLT_MAX")
+    assert_bitwise_equal(qt.codes.cpu(), packed, f"{fmt} {rounding} codes near FLT_MAX")
+    y = qt.dequantize(torch.float32, backend=target.backend).cpu()
+    assert_bitwise_equal(y, deq, f"{fmt} {rounding} dequantized near FLT_MAX")
+    assert torch.isfinite(y).all(), f"{fmt} {rounding}: a finite input dequantized to Inf"
+    # all four amax lie in fp32's top binade: floor and (capped) ceil both give e = 127 - emax_elem, and
+    # every amax from the boundary up decodes to fmax * 2^e = the boundary (saturated above it)
+    assert qt.scales.tolist() == [127 + 127 - EMAX_ELEM[fmt]] * 4
+    assert y[0].item() == y[32].item() == y[64].item() == float(boundary)
+
+
+@pytest.mark.parametrize("preset", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"])
+def test_mx_preset_at_flt_max_is_finite(target, preset):
+    """The reported case: mxfp4 of [FLT_MAX, 1, ...] gave scale byte 253 and code 4.0, so 4 * 2^126 = Inf."""
+    x = torch.tensor([[3.4028235e38] + [1.0] * 31], device=target.device)
+    y = fpq.dequantize(fpq.quantize(x, preset, backend=target.backend), backend=target.backend)
+    f = fpq.api.element_format(preset)
+    assert torch.isfinite(y).all() and y[0, 0].item() == f.fmax * 2.0 ** (127 - f.emax)
 
 
 @pytest.mark.parametrize("preset,element", [("mxfp8_e4m3", "e4m3"), ("mxfp8_e5m2", "e5m2"), ("mxfp6_e3m2", "e3m2"),
