@@ -3,8 +3,11 @@
 On CPU tensors with the compiled op the weight is decoded from its packed codes on the fly
 (``csrc/fp_quantizer/fp_linear_cpu.cpp``): for few rows of ``x`` (token-by-token decoding) a fused
 kernel streams the codes once, all rows of ``x`` per pass, accumulating in fp32; for many rows
-(prefill) cache-sized panels of decoded rows go through torch's matmul in ``x``'s dtype. Elsewhere
-(CUDA tensors, the torch backend) it is ``F.linear(x, dequantize(W, x.dtype), bias)``.
+(prefill) cache-sized panels of decoded rows go through torch's matmul in ``x``'s dtype. On CUDA
+tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV kernel (one warp
+per weight row, codes read once, fp32 sums; ``fp_quantize_kernels.cuh``); more rows decode panels of
+``CUDA_PANEL_BYTES`` of weight rows for cuBLAS, never the whole weight. The torch backend is
+``F.linear(x, dequantize(W, x.dtype), bias)``.
 
 Numerics (SPEC 5): every path multiplies by the same weights, ``dequantize(W, x.dtype)``
 (``fl(decode(q) * s)`` rounded to ``x``'s dtype); the results differ from
@@ -14,6 +17,7 @@ kernel, one rounding of the fp32 result to ``x``'s dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -24,7 +28,7 @@ from . import backends, checks
 from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize
 from .packing import row_bytes
 
-__all__ = ["linear", "SMALL_M", "PANEL_BYTES"]
+__all__ = ["linear", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
 
 #: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
 #: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
@@ -33,6 +37,11 @@ SMALL_M = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
 #: Bytes of one panel of decoded weight rows in the large-M path: a quarter of a 4096x4096 bf16 layer,
 #: in the last-level cache; smaller panels made torch's matmul slower (measured 2-16 MiB at M=16-1024).
 PANEL_BYTES = 8 * 2**20
+#: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``).
+GEMV_MAX_ROWS = 16
+#: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),
+#: so cuBLAS reads the panel from L2 right after it is written. A design value, not yet measured on a GPU.
+CUDA_PANEL_BYTES = 16 * 2**20
 
 
 def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
@@ -67,8 +76,34 @@ def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tenso
     n, k = qt.shape
     codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits))
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
+    small_m = GEMV_MAX_ROWS if x2.is_cuda else SMALL_M[x2.dtype]
     return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
-                     SMALL_M[x2.dtype], PANEL_BYTES)
+                     small_m, PANEL_BYTES)
+
+
+def _row_panel(qt: QuantizedTensor, n0: int, n1: int) -> QuantizedTensor:
+    """Rows ``n0 .. n1-1`` of a 2-D quantized weight (``n0`` on a block boundary for 2-D blocks)."""
+    block_rows = qt.block[0] if qt.block is not None else 1
+    return dataclasses.replace(qt, codes=qt.codes[n0:n1], scales=qt.scales[n0 // block_rows:-(-n1 // block_rows)],
+                               shape=torch.Size((n1 - n0, qt.shape[1])))
+
+
+def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str,
+            panel_bytes: int) -> torch.Tensor:
+    """``F.linear`` of ``x2`` with the weight dequantized ``panel_bytes`` of rows at a time."""
+    n, k = qt.shape
+    b = None if bias is None else bias.to(x2.dtype)
+    block_rows = qt.block[0] if qt.block is not None else 1
+    rows = max(1, panel_bytes // max(1, k * x2.element_size()))
+    rows = -(-rows // block_rows) * block_rows
+    if rows >= n:
+        return F.linear(x2, dequantize(qt, x2.dtype, backend=backend), b)
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        weight = dequantize(_row_panel(qt, n0, n1), x2.dtype, backend=backend)
+        y[:, n0:n1] = F.linear(x2, weight, None if b is None else b[n0:n1])
+    return y
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -101,8 +136,10 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             blocks; any element format, fp32 or E8M0 scales, or NVFP4.
         bias: optional ``(out_features,)`` tensor; added in fp32 before the one rounding to ``x``'s dtype
             (fused kernel) or by the matmul (panels, other devices).
-        backend: ``"auto"`` (the compiled CPU op for CPU tensors, else dequantize + ``F.linear``),
-            ``"cpu"``, ``"cuda"`` or ``"torch"`` (dequantize with the torch reference + ``F.linear``).
+        backend: ``"auto"`` (the compiled op for the tensors' device: the fused CPU kernel, or on CUDA the
+            GEMV up to ``GEMV_MAX_ROWS`` rows of ``x`` and panels of decoded rows + cuBLAS beyond),
+            ``"cpu"``, ``"cuda"`` or ``"torch"`` (dequantize with the torch reference + ``F.linear``, in panels
+            on CUDA).
 
     Returns:
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
@@ -117,7 +154,9 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
-    if impl is backends.TORCH or x.device.type != "cpu":  # 2-D, so that the bias is added by the same GEMM
+    if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
+        return _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES).reshape(*x.shape[:-1], n)
+    if impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
         weight = dequantize(qt, x.dtype, backend=backend)
         return F.linear(x2, weight, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):

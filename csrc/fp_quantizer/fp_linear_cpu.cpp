@@ -44,23 +44,6 @@ constexpr bool kStagesBf16 = true;
 constexpr bool kStagesBf16 = false;
 #endif
 
-// The scale of group g of weight row n (SPEC 3.1, 3.2, 3.4; 2-D blocks: one scale row per Br rows).
-inline float scale_at(const LinearArgs& a, int64_t n, int64_t g)
-{
-    const int64_t index = (n / a.block_rows) * a.scale_cols + g;
-    switch (a.scale_kind) {
-        case LinearScale::kFp32: return static_cast<const float*>(a.scales)[index];
-        case LinearScale::kE8m0: {
-            const uint32_t byte = static_cast<const uint8_t*>(a.scales)[index];
-            return byte == kE8m0Nan ? bits_f32(kF32QuietNan) : pow2f(int(byte) - kE8m0Bias);
-        }
-        case LinearScale::kE4m3: {  // NVFP4: s = fl(decode(c) * t); the NaN code gives NaN
-            return mul_rn(decode<E4M3>(static_cast<const uint8_t*>(a.scales)[index]), a.tensor_scale);
-        }
-    }
-    return bits_f32(kF32QuietNan);
-}
-
 // Codes j0 .. j1-1 of one group of `glen` codes starting at `group` (SPEC 6 bit stream) into out[0..).
 template <class F>
 inline void unpack_range(const uint8_t* group, int64_t glen, int64_t j0, int64_t j1, uint32_t* out)
@@ -248,7 +231,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
             // code c sits at bit c * b. Full runs of 16 here, the last < 16 codes below.
             const int64_t c1 = k0 + (k1 - k0) / 16 * 16;
             int64_t g = k0 / g_size, next = (g + 1) * g_size;
-            __m512 scale = _mm512_set1_ps(scale_at(a, n, g));
+            __m512 scale = _mm512_set1_ps(linear_scale_at(a, n, g));
             if constexpr (F::kBits == 4) {
                 // 16 codes in all: the group's 16 weights round_to<W>(decode(c) * s) are one vector, and
                 // each run of 16 is a lookup in it (the same values, computed once per group)
@@ -257,7 +240,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                     if (c >= next) {  // runs of 16 never straddle a group: the next one starts here
                         ++g;
                         next += g_size;
-                        weights = round_to<W>(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(scale_at(a, n, g))));
+                        weights = round_to<W>(_mm512_mul_ps(fast.table[0], _mm512_set1_ps(linear_scale_at(a, n, g))));
                     }
                     store_exact<W, Out>(_mm512_permutexvar_ps(fast.codes16(row, c), weights), dst + (c - k0));
                 }
@@ -268,12 +251,12 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                     // Two runs at a time, rounded to bf16 by one vcvtne2ps2bf16 (RNE; it reads subnormal
                     // inputs as 0, so a group whose products may be subnormal, s < kSafe, rounds exactly)
                     const float safe = bits_f32(kScaleFloorBits) / bits_f32(F::kSubnormalStepBits);
-                    bool exact = !(scale_at(a, n, g) >= safe);
+                    bool exact = !(linear_scale_at(a, n, g) >= safe);
                     for (; c + 32 <= c1; c += 32) {
                         if (c >= next) {
                             ++g;
                             next += g_size;
-                            const float s = scale_at(a, n, g);
+                            const float s = linear_scale_at(a, n, g);
                             scale = _mm512_set1_ps(s);
                             exact = !(s >= safe) && !std::isnan(s);
                         }
@@ -282,7 +265,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                         if (c + 16 >= next) {
                             ++g;
                             next += g_size;
-                            const float s = scale_at(a, n, g);
+                            const float s = linear_scale_at(a, n, g);
                             scale = _mm512_set1_ps(s);
                             exact = !(s >= safe) && !std::isnan(s);
                         }
@@ -300,7 +283,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
                     if (c >= next) {
                         ++g;
                         next += g_size;
-                        scale = _mm512_set1_ps(scale_at(a, n, g));
+                        scale = _mm512_set1_ps(linear_scale_at(a, n, g));
                     }
                     store_weights<W, Out>(_mm512_mul_ps(fast.decode16(row, c), scale), dst + (c - k0));
                 }
@@ -308,7 +291,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
             if (c1 < k1) {
                 const int64_t gt = c1 / g_size, start = gt * g_size;
                 decode_codes<F, W, Out>(row + gt * full_group_bytes, std::min(g_size, a.k - start), c1 - start,
-                                        k1 - start, scale_at(a, n, gt), dst + (c1 - k0), codes);
+                                        k1 - start, linear_scale_at(a, n, gt), dst + (c1 - k0), codes);
             }
             return;
         }
@@ -319,7 +302,7 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
         const int64_t glen = std::min(g_size, a.k - start);
         const int64_t j0 = std::max(k0, start) - start, j1 = std::min(k1, start + glen) - start;
         const uint8_t* group = row + g * full_group_bytes;
-        const float s = scale_at(a, n, g);
+        const float s = linear_scale_at(a, n, g);
         Out* out = dst + (start - k0);  // out[j] is code j of the group
 #if defined(FPQ_FAST_DECODE)
         if constexpr (FastDecoder<F>::kSupported) {

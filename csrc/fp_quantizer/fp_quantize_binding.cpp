@@ -176,19 +176,20 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     return out;
 }
 
-// y = x @ dequant(W)^T (+ bias) on the CPU, W (n, k) row-grouped codes with its scales (fp_linear_cpu.cpp).
+// y = x @ dequant(W)^T (+ bias), W (n, k) row-grouped codes with its scales: on the CPU fp_linear_cpu.cpp,
+// on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; fp32 sums, one rounding of sum + bias to x's dtype).
 //   x: (m, k) fp32 / fp16 / bf16, contiguous; the weights are decoded in x's dtype (SPEC 5).
 //   scales: fp32 or uint8 (scale_kind "fp32", "e8m0" or "e4m3" for NVFP4 with tensor_scale), shape
 //   (ceil(n / block_rows), ceil(k / G)); block_rows = Br for 2-D blocks, 1 for row groups.
-//   m <= small_m: the fused kernel (fp32 accumulation, one rounding to x's dtype); larger m: panels of
+//   CPU, m <= small_m: the fused kernel (fp32 accumulation, one rounding to x's dtype); larger m: panels of
 //   about panel_bytes of decoded rows, each multiplied by torch's linear in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
                   int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
                   const std::string& fmt_name, int64_t group_size, int64_t small_m, int64_t panel_bytes)
 {
     const fpq::Format fmt = parse_format(fmt_name);
-    TORCH_CHECK_VALUE(x.is_cpu() && codes.is_cpu() && scales.is_cpu(), "linear: x, codes and scales must be CPU "
-                      "tensors");
+    check_device(codes, x, "codes");
+    check_device(scales, x, "scales");
     TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && !x.is_neg(), "x must be a contiguous 2-D (m, k) tensor");
     TORCH_CHECK_VALUE(group_size >= 1 && block_rows >= 1, "group_size and block_rows must be >= 1");
     const int64_t m = x.size(0), k = x.size(1);
@@ -214,8 +215,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                           scales.is_contiguous(),
                       "scales must be contiguous with shape (", scale_rows, ", ", scale_cols, "), got ", scales.sizes());
     if (bias.has_value()) {
-        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n && bias->is_cpu(), "bias must be a CPU tensor of "
-                          "shape (", n, "), got ", bias->sizes());
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias must have shape (", n, "), got ",
+                          bias->sizes());
+        check_device(*bias, x, "bias");
     }
     args.scales = scales.data_ptr();
     args.block_rows = block_rows;
@@ -233,6 +235,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
         auto y = at::zeros({m, n}, x.options());
         return bias.has_value() ? y.add_(bias->to(x.scalar_type())) : y;
     }
+#if defined(FPQ_WITH_CUDA)
+    if (x.is_cuda()) {  // the GEMV kernel; the caller decodes panels for more rows
+        TORCH_CHECK_VALUE(m <= fpq::kGemvMaxRows, "linear on CUDA tensors takes m <= ", fpq::kGemvMaxRows,
+                          " rows of x; got m=", m);
+        const c10::cuda::CUDAGuard guard(x.device());
+        auto y = at::empty({m, n}, x.options());
+        const at::Tensor b = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+        fpq::GemvArgs gemv;
+        gemv.w = args;
+        gemv.x = x.data_ptr();
+        gemv.bias = b.defined() ? b.data_ptr() : nullptr;
+        gemv.y = y.data_ptr();
+        fpq::linear_cuda(fmt, gemv, static_cast<void*>(c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+        return y;
+    }
+#endif
+    TORCH_CHECK_VALUE(x.is_cpu(), "linear: tensors on ", x.device(), " are not supported by this build");
     if (m <= small_m) {
         const int64_t k_padded = fpq::ceil_div(k, 32) * 32;
         const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
@@ -307,7 +326,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("seed") = 0, py::arg("offset") = 0, py::arg("e8m0") = "");
     m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
-    m.def("linear", &linear, "y = x @ dequant(W)^T + bias on the CPU (decoded on the fly)", py::arg("x"),
+    m.def("linear", &linear, "y = x @ dequant(W)^T + bias, decoded on the fly (CPU; CUDA for m <= 16)", py::arg("x"),
           py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
           py::arg("bias"), py::arg("fmt"), py::arg("group_size"), py::arg("small_m"), py::arg("panel_bytes"));
     m.def("format_table", &format_table, "the C++ format traits");

@@ -43,4 +43,12 @@ void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream)
     launch_on_stream(fmt, args, stream, "dequantize");
 }
 
+void linear_cuda(Format fmt, const GemvArgs& args, void* stream)
+{
+    cuda_kernels::launch_gemv(fmt, args, [&](auto kernel, dim3 grid, dim3 block) {
+        kernel<<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(args);
+        check_launch("linear");
+    });
+}
+
 }  // namespace fpq

@@ -217,14 +217,17 @@ def quantize_nvfp4_rows(x: np.ndarray, g: int = 16):
 
 
 def special_input(shape, dtype, seed):
-    """randn times powers of two in [2^-12, 2^12), with NaN, +-Inf, a run of zeros (an all-zero group for
-    small G) and a -0 when there are >= 64 elements: the values every kernel test feeds."""
+    """randn times powers of two in [2^-12, 2^12), with NaN, -NaN, a NaN with a payload, +-Inf, a run of
+    zeros (an all-zero group for small G) and a -0 when there are >= 64 elements: the values every kernel
+    test feeds."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-12, 12, shape, generator=gen).float())
     flat = x.view(-1)
     n = flat.numel()
     if n >= 64:
         flat[n // 7] = float("nan")
+        flat.view(torch.int32)[n // 11] = 0xFFC00000 - 2**32  # -NaN
+        flat.view(torch.int32)[n // 13] = 0x7FC12345  # a quiet NaN with a payload
         flat[n // 5] = float("inf")
         flat[n // 3] = -float("inf")
         flat[n // 2: n // 2 + min(40, n // 4)] = 0.0  # a run of zeros (an all-zero group for small G)

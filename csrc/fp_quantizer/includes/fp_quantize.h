@@ -63,6 +63,19 @@ struct LinearArgs {
     int64_t row_bytes = 0;
 };
 
+// The fp32 scale of group g of weight row n (SPEC 3.1; 3.2: 2^(b - 127), byte 255 is NaN; 3.4 NVFP4:
+// fl(decode_e4m3(c) * t), the NaN code gives NaN); 2-D blocks have one scale row per block_rows rows.
+FPQ_HD float linear_scale_at(const LinearArgs& a, int64_t n, int64_t g)
+{
+    const int64_t index = (n / a.block_rows) * a.scale_cols + g;
+    if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
+    const uint32_t byte = static_cast<const uint8_t*>(a.scales)[index];
+    if (a.scale_kind == LinearScale::kE8m0) {
+        return byte == kE8m0Nan ? bits_f32(kF32QuietNan) : pow2f(int(byte) - kE8m0Bias);
+    }
+    return mul_rn(decode<E4M3>(byte), a.tensor_scale);
+}
+
 constexpr const char* kSupportedFormats = "e4m3, e5m2, e3m2, e2m3, e2m1, e4m7";
 
 // The one dispatch point: calls fn(Traits{}) for the format, raises on anything else.
@@ -103,8 +116,21 @@ void linear_cpu(Format fmt, const LinearArgs& args);
 bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
 void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
+// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_quantize_kernels.cuh): each
+// weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
+// dtype. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k, group_size,
+// row_bytes), m <= kGemvMaxRows and weight_dtype = x's dtype; its x and y are not used.
+constexpr int kGemvMaxRows = 16;
+struct GemvArgs {
+    LinearArgs w;
+    const void* x = nullptr;     // (m, k) of w.weight_dtype, contiguous
+    const void* bias = nullptr;  // optional (n,) of w.weight_dtype
+    void* y = nullptr;           // (m, n) of w.weight_dtype
+};
+
 // CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream);
 void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream);
+void linear_cuda(Format fmt, const GemvArgs& args, void* stream);
 
 }  // namespace fpq

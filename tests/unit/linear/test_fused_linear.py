@@ -14,30 +14,10 @@ import ds_fpquant as fpq
 from ds_fpquant import linear as linear_module
 from ds_fpquant.linear import SMALL_M, linear
 from ds_fpquant.module import FPQuantizedLinear
+from unit.linear_bound import assert_linear_within_bound as _check
 from unit.oracle import assert_bitwise_equal
 
-EPS_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-#: Half the output dtype's smallest subnormal: the absolute rounding error of a tiny result.
-TINY_OUT = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 TOKENS = (1, 2, 3, 16, 17, 300)
-
-
-def _check(x, qt, bias, y):
-    """|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref| elementwise, NaN where the reference is NaN."""
-    w = fpq.dequantize(qt, x.dtype, backend="torch").double()
-    x64 = x.double().reshape(-1, w.shape[1])
-    ref = x64 @ w.T
-    size = x64.abs() @ w.abs().T
-    if bias is not None:
-        ref, size = ref + bias.double(), size + bias.double().abs()
-    y64 = y.double().reshape(ref.shape)
-    k = w.shape[1]
-    tol = 2 * k * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
-    nan = torch.isnan(ref)
-    assert torch.equal(torch.isnan(y64), nan), "NaN positions differ from the reference"
-    err = (y64 - ref).abs()[~nan]
-    assert bool((err <= tol[~nan]).all()), f"max error {err.max().item():.3e} over bound {tol[~nan].max().item():.3e}"
-    assert y.dtype == x.dtype
 
 
 def _weight(n, k, seed=0):

@@ -10,8 +10,7 @@ EMULATED_ARCHS = (900, 890, None)
 
 
 @pytest.fixture(scope="session")
-def emulated_ops():
-    """{arch: EmulatedCudaOp} for EMULATED_ARCHS, built once per source hash (g++ with ASan and UBSan)."""
+def _emulated_ops_session():
     if not cuda_emulation.compiler_available():
         pytest.skip(f"no C++ compiler ({cuda_emulation.CXX}) to build the CUDA emulation")
     ops = cuda_emulation.start_ops(EMULATED_ARCHS)
@@ -21,8 +20,15 @@ def emulated_ops():
 
 
 @pytest.fixture
+def emulated_ops(_emulated_ops_session):
+    """{arch: EmulatedCudaOp} for EMULATED_ARCHS (g++ with ASan and UBSan, built once per source hash), each
+    with default buffer placement and grid cap for the test."""
+    for op in _emulated_ops_session.values():
+        op.misalign, op.max_blocks = {}, 1 << 20
+    return _emulated_ops_session
+
+
+@pytest.fixture
 def sm90(emulated_ops):
-    """The emulated sm_90 op, with default buffer placement and grid cap for each test."""
-    op = emulated_ops[900]
-    op.misalign, op.max_blocks = {}, 1 << 20
-    return op
+    """The emulated sm_90 op."""
+    return emulated_ops[900]

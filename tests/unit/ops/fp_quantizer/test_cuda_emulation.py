@@ -16,7 +16,8 @@ import torch
 
 import ds_fpquant as fpq
 from unit.oracle import fp8_values, special_input
-from unit.ops.fp_quantizer.emulation.cuda_emulation import DTYPES, check_against_reference as check, lanes_per_group
+from unit.ops.fp_quantizer.emulation.cuda_emulation import (DTYPES, check_against_reference as check, installed_as_cpu_op,
+                                                             lanes_per_group)
 
 FORMATS = list(fpq.FORMATS)
 #: Teams of 1 (G <= 8), 2, 4, 8, 16 and 32 lanes (G > 128); 1536/1537: the largest group DeepSpeed's kernel
@@ -167,4 +168,10 @@ def test_hardware_fp8_conversion_is_exercised(emulated_ops):
         x = torch.cat([values, mids, torch.tensor([1e30, -1e30, 3.4e38])]).view(1, -1)
         scales = torch.ones(1, 1)
         for arch in [900, 890, None]:
-            check(emulated_ops[arch], x, fmt, x.shape[1], scales=scales, out_dtypes=[torch.float32])
+            op = emulated_ops[arch]
+            with installed_as_cpu_op(op):
+                fpq.quantize(x, fmt, x.shape[1], scales=scales, backend="cpu")
+            # sm_89+: every element (in chunks of 8, in both runs of the launch) through the emulated cvt
+            conversions = op.last_fp8_conversions
+            assert conversions >= 2 * x.numel() if arch is not None else conversions == 0, (arch, conversions)
+            check(op, x, fmt, x.shape[1], scales=scales, out_dtypes=[torch.float32])

@@ -9,9 +9,11 @@ fail, by a wrong bit, an unwritten byte, an ASan/UBSan report or a warp-synchron
 import pytest
 import torch
 
+import ds_fpquant as fpq
+from unit.linear_bound import assert_linear_within_bound
 from unit.oracle import special_input
 from unit.ops.fp_quantizer.emulation import cuda_emulation
-from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check
+from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check, run_gemv
 
 KERNELS = "fp_quantize_kernels.cuh"
 CODEC = "fp_codec.h"
@@ -47,6 +49,13 @@ MUTANTS = {
         "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
     "stochastic rounding reads the wrong Philox word": (
         KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
+    "GEMV chunk one element too long (reads x past the row)": (
+        KERNELS, "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk);",
+        "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk + 1);"),
+    "GEMV warp sum one shuffle step short": (
+        KERNELS, "for (int offset = 16; offset > 0; offset >>= 1) {", "for (int offset = 16; offset > 1; offset >>= 1) {"),
+    "GEMV reads the scale of the wrong group": (
+        KERNELS, "const float s = linear_scale_at(a.w, row, g);", "const float s = linear_scale_at(a.w, row, f % n_groups);"),
     "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
         CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }
@@ -69,13 +78,16 @@ def built_mutants():
 def battery(op: EmulatedCudaOp) -> None:
     """The emulation tests' paths in a few calls: teams of 1..32 lanes on ragged rows, 4/6/8-bit codes,
     misaligned buffers, a wrapped grid, stochastic rounding with an offset that starts mid-block, an E8M0
-    scale at the top of fp32."""
+    scale at the top of fp32, the GEMV."""
     for group_size in [1, 8, 100, 1537]:
         check(op, special_input((3, 2 * group_size + 5), torch.bfloat16, seed=group_size), "e4m3", group_size)
     check(op, special_input((3, 205), torch.float32, seed=2), "e2m1", 100)
     check(op, special_input((7, 13), torch.float16, seed=3), "e3m2", 8)
     check(op, special_input((4, 37), torch.float32, seed=4), "e4m3", 37, rounding="stochastic", seed=9, offset=3)
     check(op, torch.tensor([[3.4028235e38] + [1.0] * 31]), "mxfp4")  # E8M0 scale at the top of fp32
+    qt = fpq.quantize(torch.randn(11, 129), "e4m3", 48)  # the GEMV: ragged groups, a partial block of rows
+    x, bias = torch.randn(3, 129).to(torch.bfloat16), torch.randn(11).to(torch.bfloat16)
+    assert_linear_within_bound(x, qt, bias, run_gemv(op, x, qt, bias))
     op.misalign = {"x": 2, "out": 2, "codes": 1}
     check(op, special_input((3, 136), torch.bfloat16, seed=5), "e4m3", 64, out_dtypes=[torch.bfloat16])
     op.misalign, op.max_blocks = {}, 1

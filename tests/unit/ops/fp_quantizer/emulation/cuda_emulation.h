@@ -2,7 +2,8 @@
 // (g++, no CUDA runtime): include this first, then the kernels header (csrc/fp_quantizer/includes/
 // fp_quantize_kernels.cuh), and run a launch with fpq_emu::launch(grid, block, body).
 //
-// - Every CUDA thread is a fiber (ucontext) with its own stack; a block's fibers run on one host
+// - Every CUDA thread is a fiber with its own stack (a 20-instruction context switch on x86-64, ucontext
+//   elsewhere; annotated for AddressSanitizer either way); a block's fibers run on one host
 //   thread, each until it reaches a barrier. Warps are real groups of 32 lanes (linear thread index
 //   / 32). Blocks run one after another, in an order the caller picks (forward or reverse).
 // - __shfl_*_sync: every lane named in the mask deposits its value and waits until all of them have
@@ -38,6 +39,7 @@
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define FPQ_EMU_ASAN 1
 #endif
@@ -105,8 +107,8 @@ FPQ_EMU_MINMAX(long)
 FPQ_EMU_MINMAX(unsigned long)
 FPQ_EMU_MINMAX(long long)
 FPQ_EMU_MINMAX(unsigned long long)
-inline float min(float a, float b) { return std::fmin(a, b); }
-inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return fpq_emu_canonical(std::fmin(a, b)); }
+inline float max(float a, float b) { return fpq_emu_canonical(std::fmax(a, b)); }
 #undef FPQ_EMU_MINMAX
 
 // ---- fp8 conversion of sm_89+ (cuda_fp8.h names) ------------------------------------------------
@@ -131,8 +133,16 @@ namespace fpq_emu {
 // cvt.rn.satfinite.{e4m3,e5m2}.f32 of one value (PTX ISA, "cvt"): the finite code nearest to x,
 // ties to the even code; |x| > MAX_NORM (Inf too) gives the sign-preserved MAX_NORM; NaN gives 0x7F.
 // Found by searching the format's finite values, computed exactly in double.
+// How many values went through the emulated hardware conversion (the tests check the sm_89+ branch ran).
+inline uint64_t& fp8_conversions()
+{
+    static uint64_t count = 0;
+    return count;
+}
+
 inline uint8_t cvt_rn_satfinite_fp8(float x, __nv_fp8_interpretation_t interp)
 {
+    ++fp8_conversions();
     const bool e4m3 = interp == __NV_E4M3;
     const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
     const unsigned max_code = e4m3 ? 0x7e : 0x7b;  // 448 and 57344
@@ -161,11 +171,88 @@ inline __nv_fp8x2_storage_t __nv_cvt_float2_to_fp8x2(float2 x, __nv_saturation_t
                                 fpq_emu::cvt_rn_satfinite_fp8(x.x, interp));
 }
 
+// ---- fiber contexts ------------------------------------------------------------------------------
+namespace fpq_emu {
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers, MXCSR and the x87 control word on the current stack, stores the stack
+// pointer in *from, and resumes the context whose stack pointer is `to` (System V x86-64). No system call
+// and no sanitizer interceptor, unlike swapcontext: a block of 256 fibers switches millions of times.
+extern "C" void fpq_emu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .globl fpq_emu_switch
+    .type fpq_emu_switch, @function
+fpq_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fpq_emu_switch, .-fpq_emu_switch
+)");
+
+struct Context {
+    void* sp = nullptr;
+};
+
+inline void context_switch(Context& from, Context& to) { fpq_emu_switch(&from.sp, to.sp); }
+
+// A context that starts `entry` (which must never return) on [stack, stack + size).
+inline void context_init(Context& c, void* stack, size_t size, void (*entry)())
+{
+    auto* top = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
+    uint64_t* sp = top - 9;  // the frame fpq_emu_switch pops: control words, 6 registers, return address
+    uint32_t mxcsr;
+    uint16_t fpcw;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpcw));
+    sp[0] = uint64_t(mxcsr) | uint64_t(fpcw) << 32;
+    for (int i = 1; i <= 6; ++i) { sp[i] = 0; }
+    sp[7] = reinterpret_cast<uint64_t>(entry);  // `ret` enters it with rsp = top - 8, as after a call
+    sp[8] = 0;
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+inline void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void context_init(Context& c, void* stack, size_t size, void (*entry)())
+{
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
+}  // namespace fpq_emu
+
 // ---- the launch model ---------------------------------------------------------------------------
 namespace fpq_emu {
 
 constexpr int kWarpSize = 32;
-constexpr size_t kStackBytes = size_t(256) << 10;
+constexpr size_t kStackBytes = size_t(64) << 10;
 
 enum class State { kRunnable, kShuffle, kSync, kExited };
 enum class ShflKind { kIdx, kUp, kDown, kXor, kSyncWarp };
@@ -177,7 +264,7 @@ inline const char* kind_name(ShflKind k)
 }
 
 struct Thread {
-    ucontext_t context;
+    Context context;
     void* stack = nullptr;  // usable stack (above a PROT_NONE guard page)
     uint3 thread_idx{};
     State state = State::kRunnable;
@@ -197,7 +284,8 @@ struct Launch {
     uint3 block_idx{};
     std::vector<Thread> threads;
     Thread* current = nullptr;
-    ucontext_t scheduler;
+    Context scheduler;
+    Context finished;  // where an exiting thread's last context is saved (never resumed)
     const std::function<void()>* body = nullptr;
 #if defined(FPQ_EMU_ASAN)
     const void* scheduler_stack = nullptr;
@@ -238,7 +326,7 @@ inline void yield_to_scheduler()
 #if defined(FPQ_EMU_ASAN)
     __sanitizer_start_switch_fiber(&t.fake_stack, l->scheduler_stack, l->scheduler_stack_size);
 #endif
-    swapcontext(&t.context, &l->scheduler);
+    context_switch(t.context, l->scheduler);
 #if defined(FPQ_EMU_ASAN)
     __sanitizer_finish_switch_fiber(t.fake_stack, &l->scheduler_stack, &l->scheduler_stack_size);
 #endif
@@ -262,9 +350,9 @@ inline void describe(const Thread& t, char* buf, size_t n)
 inline void try_complete_shuffle(int warp, const Thread& me)
 {
     Launch* l = active();
-    Thread* lanes[kWarpSize] = {};
-    for (Thread& t : l->threads) {
-        if (linear_tid(t) / kWarpSize == warp) { lanes[linear_tid(t) % kWarpSize] = &t; }
+    Thread* lanes[kWarpSize] = {};  // threads are stored in linear thread index order
+    for (int lane = 0; lane < kWarpSize && size_t(warp * kWarpSize + lane) < l->threads.size(); ++lane) {
+        lanes[lane] = &l->threads[size_t(warp * kWarpSize + lane)];
     }
     for (int lane = 0; lane < kWarpSize; ++lane) {
         if (!(me.mask >> lane & 1u)) { continue; }
@@ -272,15 +360,16 @@ inline void try_complete_shuffle(int warp, const Thread& me)
         char buf[256];
         if (t == nullptr) { fail("%s at %s:%d: mask 0x%08x names lane %d, which does not exist in this block",
                                  kind_name(me.kind), me.file, me.line, me.mask, lane); }
-        describe(*t, buf, sizeof buf);
         if (t->state == State::kExited || t->state == State::kSync) {
+            describe(*t, buf, sizeof buf);
             fail("%s at %s:%d with mask 0x%08x in block (%u,%u,%u): %s", kind_name(me.kind), me.file, me.line,
                  me.mask, l->block_idx.x, l->block_idx.y, l->block_idx.z, buf);
         }
         if (t->state == State::kRunnable) { return; }  // not there yet
         if (t->kind != me.kind || t->mask != me.mask || t->width != me.width || t->line != me.line ||
-            std::strcmp(t->file, me.file) != 0) {
+            (t->file != me.file && std::strcmp(t->file, me.file) != 0)) {
             char mine[256];
+            describe(*t, buf, sizeof buf);
             describe(me, mine, sizeof mine);
             fail("divergent warp-synchronous call in block (%u,%u,%u): %s; but %s", l->block_idx.x,
                  l->block_idx.y, l->block_idx.z, mine, buf);
@@ -290,13 +379,16 @@ inline void try_complete_shuffle(int warp, const Thread& me)
     for (int lane = 0; lane < kWarpSize; ++lane) {
         if (!(me.mask >> lane & 1u)) { continue; }
         Thread& t = *lanes[lane];
-        const int w = t.width, base = lane & ~(w - 1);
+        // PTX shfl.sync: c = ((32 - width) << 8) | 31 gives maxLane = base | (width - 1); up/down/bfly
+        // use the low 5 bits of the delta or lane mask; a source past maxLane (or below base for up)
+        // reads the lane's own value; idx reads lane base + (srcLane mod width)
+        const int w = t.width, base = lane & ~(w - 1), max_lane = base | (w - 1), b = t.arg & 31;
         int src = lane;
         switch (t.kind) {
             case ShflKind::kIdx: src = base + ((t.arg % w + w) % w); break;
-            case ShflKind::kUp: src = (lane - base) >= t.arg ? lane - t.arg : lane; break;
-            case ShflKind::kDown: src = (lane - base) + t.arg < w ? lane + t.arg : lane; break;
-            case ShflKind::kXor: src = ((lane ^ t.arg) & ~(w - 1)) == base ? lane ^ t.arg : lane; break;
+            case ShflKind::kUp: src = lane - b >= base ? lane - b : lane; break;
+            case ShflKind::kDown: src = lane + b <= max_lane ? lane + b : lane; break;
+            case ShflKind::kXor: src = (lane ^ b) <= max_lane ? lane ^ b : lane; break;
             case ShflKind::kSyncWarp: break;
         }
         if (!(me.mask >> src & 1u)) {
@@ -377,7 +469,8 @@ inline void thread_entry()
 #if defined(FPQ_EMU_ASAN)
     __sanitizer_start_switch_fiber(nullptr, l->scheduler_stack, l->scheduler_stack_size);
 #endif
-    setcontext(&l->scheduler);
+    context_switch(l->finished, l->scheduler);
+    fail("an exited thread was resumed");
 }
 
 // Stacks of one block's threads, kept across blocks and launches.
@@ -409,11 +502,10 @@ inline void run_block(Launch& l, uint3 block_idx, bool reverse)
         Thread& t = l.threads[size_t(i)];
         t.thread_idx = {unsigned(i) % l.block.x, unsigned(i) / l.block.x % l.block.y, unsigned(i) / (l.block.x * l.block.y)};
         t.stack = stack_for(size_t(i));
-        getcontext(&t.context);
-        t.context.uc_stack.ss_sp = t.stack;
-        t.context.uc_stack.ss_size = kStackBytes;
-        t.context.uc_link = nullptr;
-        makecontext(&t.context, thread_entry, 0);
+#if defined(FPQ_EMU_ASAN)
+        ASAN_UNPOISON_MEMORY_REGION(t.stack, kStackBytes);  // redzones of the frames of the last thread here
+#endif
+        context_init(t.context, t.stack, kStackBytes, thread_entry);
     }
     for (;;) {
         bool progress = false, done = true;
@@ -428,7 +520,7 @@ inline void run_block(Launch& l, uint3 block_idx, bool reverse)
             void* fake = nullptr;
             __sanitizer_start_switch_fiber(&fake, t.stack, kStackBytes);
 #endif
-            swapcontext(&l.scheduler, &t.context);
+            context_switch(l.scheduler, t.context);
 #if defined(FPQ_EMU_ASAN)
             __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -456,8 +548,11 @@ struct LaunchStats {
 // or in reverse order (and each block's threads are first scheduled in reverse) when `reverse`.
 inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& body, bool reverse = false)
 {
-    if (block.x * block.y * block.z == 0 || block.x * block.y * block.z > 1024) {
-        fail("launch with %u x %u x %u threads per block (allowed: 1..1024)", block.x, block.y, block.z);
+    if (block.x * block.y * block.z == 0 || block.x * block.y * block.z > 1024 || block.z > 64) {
+        fail("launch with %u x %u x %u threads per block (allowed: 1..1024, z <= 64)", block.x, block.y, block.z);
+    }
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+        fail("launch with a %u x %u x %u grid (invalid configuration on a GPU)", grid.x, grid.y, grid.z);
     }
     if (active() != nullptr) { fail("nested launch"); }
     Launch l;

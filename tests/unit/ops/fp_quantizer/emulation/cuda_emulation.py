@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import select
 import shutil
 import struct
 import subprocess
@@ -36,18 +37,23 @@ REPO = HERE.parents[4]
 KERNEL_INCLUDES = REPO / "csrc" / "fp_quantizer" / "includes"
 SOURCES = (HERE / "emulated_op.cpp", HERE / "cuda_emulation.h")
 CXX = os.environ.get("CXX", "g++")
-FLAGS = ("-std=gnu++17", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-         "-fno-omit-frame-pointer", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
-         "-Werror")
+#: -Wconversion: an implicit narrowing of the kernels' 64-bit index arithmetic fails the build (no test
+#: reaches 2^31 elements); float-cast-overflow: host and GPU differ on out-of-range float -> int casts.
+FLAGS = ("-std=gnu++17", "-O1", "-g", "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
+         "-fno-omit-frame-pointer", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wconversion",
+         "-Wno-sign-conversion", "-Wno-unknown-pragmas", "-Werror")
 #: The sanitizers stop at the first error; no leak check (the process is killed at the end of the tests).
 ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 
+#: The process aborts a request after 300 s itself (emulated_op.cpp); this also covers a stuck pipe.
+RESPONSE_TIMEOUT_S = 330
 _MAGIC = 0x31554D4551504655
-_REQUEST = struct.Struct("<Q8i4q2Q4q")
-_RESPONSE = struct.Struct("<Q5q2Q")
+_REQUEST = struct.Struct("<Q8i4q2Q6q3q2ifi")
+_RESPONSE = struct.Struct("<Q5q3Q")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fpq::DType
 _SCALE_MODES = {"": 0, "ceil": 1, "floor": 2}  # fpq::ScaleMode
+_SCALE_KINDS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # fpq::LinearScale
 
 
 class EmulationFault(AssertionError):
@@ -75,7 +81,8 @@ def build(arch: Optional[int], headers: Optional[Dict[str, str]] = None) -> Path
     if unknown:
         raise ValueError(f"headers={sorted(unknown)} are not in {KERNEL_INCLUDES}")
     sources.update(headers)
-    digest = hashlib.sha256("\0".join([CXX, *flags]).encode())
+    version = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([CXX, version, *flags]).encode())
     for name, text in [*sorted(sources.items()), *((p.name, p.read_text()) for p in SOURCES)]:
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     out = cache_dir() / f"emulated_op-sm{arch or 'none'}-{digest.hexdigest()[:20]}"
@@ -129,6 +136,7 @@ class EmulatedCudaOp:
         self.misalign: Dict[str, int] = {}
         self.max_blocks = 1 << 20
         self.last_launch: Optional[LaunchInfo] = None
+        self.last_fp8_conversions = 0  # values the last call put through the emulated sm_89+ fp8 conversion
         self.calls = 0
         self._proc: Optional[subprocess.Popen] = None
         self._stderr = None
@@ -167,6 +175,8 @@ class EmulatedCudaOp:
             for buf in inputs:
                 proc.stdin.write(buf)
             proc.stdin.flush()
+            if not select.select([proc.stdout], [], [], RESPONSE_TIMEOUT_S)[0]:
+                raise self._fault(f"{what}: no response within {RESPONSE_TIMEOUT_S} s")
             raw = proc.stdout.read(_RESPONSE.size)
             if len(raw) != _RESPONSE.size:
                 raise self._fault(what)
@@ -175,16 +185,20 @@ class EmulatedCudaOp:
             raise self._fault(what) from None
         if any(len(o) != n for o, n in zip(outs, out_sizes)):
             raise self._fault(what)
-        magic, launched, grid_x, block_x, team_log2, total, threads, _ = _RESPONSE.unpack(raw)
+        magic, launched, grid_x, block_x, team_log2, total, threads, _, conversions = _RESPONSE.unpack(raw)
         assert magic == _MAGIC
         self.calls += 1
         self.last_launch = LaunchInfo(grid_x, block_x, team_log2, total, threads) if launched else None
+        self.last_fp8_conversions = conversions
         return outs
 
     def _request(self, op, f, dtype, rows, k, group_size, scale_mode=0, stochastic=False, has_given=False,
-                 seed=0, offset=0, misalign=(0, 0, 0, 0)) -> bytes:
+                 seed=0, offset=0, misalign=(), m=0, block_rows=1, scale_cols=0, scale_kind=0, has_bias=False,
+                 tensor_scale=1.0) -> bytes:
+        misalign = (*misalign, *(0,) * (6 - len(misalign)))
         return _REQUEST.pack(_MAGIC, op, f.ebits, f.mbits, _DTYPES[dtype], scale_mode, int(stochastic),
-                             int(has_given), 0, rows, k, group_size, self.max_blocks, seed, offset, *misalign)
+                             int(has_given), 0, rows, k, group_size, self.max_blocks, seed, offset, *misalign,
+                             m, block_rows, scale_cols, scale_kind, int(has_bias), tensor_scale, 0)
 
     # ---- the op interface ----
     def quantize(self, x, fmt, group_size, given_scales, stochastic, seed, offset, e8m0):
@@ -211,10 +225,33 @@ class EmulatedCudaOp:
         group_size = min(group_size, max(k, 1))
         m = self.misalign
         header = self._request(1, f, out_dtype, rows, k, group_size,
-                               misalign=(m.get("codes", 0), m.get("scales", 0), m.get("out", 0), 0))
+                               misalign=(m.get("codes", 0), m.get("scales", 0), m.get("out", 0)))
         size = rows * k * torch.empty((), dtype=out_dtype).element_size()
         (out,) = self._call(header, [_raw(codes), _raw(scales)], [size], f"dequantize {fmt} G={group_size}")
         return _tensor(out, out_dtype, (rows, k))
+
+
+    def linear(self, x, codes, scales, scale_kind, block_rows, tensor_scale, bias, fmt, group_size, small_m,
+               panel_bytes):
+        """The CUDA binding's linear for m <= 16 rows (the GEMV kernel): x (m, k) fp32/fp16/bf16, codes
+        (n, row_bytes), scales ``(ceil(n / block_rows), ceil(k / G))`` of ``scale_kind`` ("fp32", "e8m0",
+        "e4m3" with ``tensor_scale``), optional bias (n,) -> y (m, n) of x's dtype. ``small_m`` and
+        ``panel_bytes`` (the CPU op's) are not used."""
+        f = get_format(fmt)
+        m, k = x.shape
+        n = codes.shape[0]
+        group_size = min(group_size, max(k, 1))
+        kind = _SCALE_KINDS[scale_kind]
+        mis = self.misalign
+        header = self._request(2, f, x.dtype, n, k, group_size, has_bias=bias is not None,
+                               misalign=(mis.get("x", 0), mis.get("codes", 0), mis.get("scales", 0),
+                                         mis.get("bias", 0), mis.get("y", 0)),
+                               m=m, block_rows=block_rows, scale_cols=scales.shape[1], scale_kind=kind,
+                               tensor_scale=tensor_scale)
+        inputs = [_raw(x), _raw(codes), _raw(scales)] + ([_raw(bias.to(x.dtype))] if bias is not None else [])
+        size = m * n * x.element_size()
+        (y,) = self._call(header, inputs, [size], f"linear {fmt} G={group_size} m={m}")
+        return _tensor(y, x.dtype, (m, n))
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -291,3 +328,15 @@ def check_against_reference(op, x, fmt="e4m3", group_size=None, out_dtypes=DTYPE
     for dtype, y in outs.items():
         assert_bitwise_equal(_bits(y), _bits(fpq.dequantize(ref, dtype, backend="torch")), what + f" -> {dtype}")
     return got
+
+
+def run_gemv(op, x, qt, bias):
+    """The emulated op's linear with the arguments linear.py gives the compiled op for CUDA tensors."""
+    from ds_fpquant import linear as linear_module
+
+    scales, kind, block_rows, tensor_scale = linear_module._scale_layout(qt)
+    n, k = qt.shape
+    codes = qt.codes.reshape(n, -1)
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    return op.linear(x, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
+                     linear_module.GEMV_MAX_ROWS, linear_module.PANEL_BYTES)

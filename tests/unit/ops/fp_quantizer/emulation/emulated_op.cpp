@@ -3,19 +3,23 @@
 // with AddressSanitizer and UndefinedBehaviorSanitizer. cuda_emulation.py drives it over stdin/stdout:
 //
 //   request:  Request, then the input buffers (quantize: x, given scales if any; dequantize: codes,
-//             scales), each exactly the size the geometry gives
-//   response: Response, then the output buffers (quantize: codes, scales; dequantize: out)
+//             scales; linear: x, codes, scales, bias if any), each exactly the size the geometry gives
+//   response: Response, then the output buffers (quantize: codes, scales; dequantize: out; linear: y)
 //
 // Every buffer is its own heap allocation that ends exactly where the data ends (ASan's redzone
 // follows) and starts `misalign` bytes into the allocation, those bytes poisoned: any read or write
 // outside a buffer aborts with ASan's report. Each request runs the launch twice, blocks forward with
 // outputs pre-filled with 0x00, then blocks (and threads) in reverse with 0xFF: the two results must
-// be identical, so every output byte is written, and written independently of the block order.
+// be identical, so every output byte is written, and written independently of the block order; the
+// input buffers must be unchanged afterwards. A request that runs longer than kTimeoutSeconds (a
+// kernel loop that never ends) aborts the process, as does the death of the parent.
 
 #include "cuda_emulation.h"
 #include "fp_quantize_kernels.cuh"
 
 #include <sanitizer/asan_interface.h>
+#include <signal.h>
+#include <sys/prctl.h>
 
 #include <cstdio>
 #include <memory>
@@ -24,6 +28,7 @@
 namespace {
 
 constexpr uint64_t kMagic = 0x31554d4551504655ull;  // "UFPQEMU1"
+constexpr unsigned kTimeoutSeconds = 300;
 
 struct Request {
     uint64_t magic;
@@ -36,7 +41,14 @@ struct Request {
     int32_t pad;
     int64_t rows, k, group_size, max_blocks;
     uint64_t seed, offset;
-    int64_t misalign[4];  // quantize: x, given scales, codes, scales; dequantize: codes, scales, out
+    int64_t misalign[6];  // quantize: x, given scales, codes, scales; dequantize: codes, scales, out;
+                          // linear: x, codes, scales, bias, y
+    // linear only (rows = n weight rows, k, group_size as above)
+    int64_t m, block_rows, scale_cols;
+    int32_t scale_kind;  // fpq::LinearScale
+    int32_t has_bias;
+    float tensor_scale;
+    int32_t pad2;
 };
 
 struct Response {
@@ -44,6 +56,7 @@ struct Response {
     int64_t launched;  // 0 when the geometry has no groups
     int64_t grid_x, block_x, team_log2, total_groups;
     uint64_t threads, switches;
+    uint64_t fp8_conversions;  // values through the emulated sm_89+ fp8 conversion, both runs
 };
 
 // One buffer: a heap allocation of misalign + size bytes, the first misalign bytes poisoned.
@@ -115,6 +128,16 @@ void run(fpq::Format fmt, const Args& args, int64_t max_blocks, bool reverse, Re
         });
 }
 
+// A copy of an input buffer's bytes, to show the kernels left it unchanged.
+std::vector<uint8_t> snapshot(const Buffer& b) { return std::vector<uint8_t>(b.data, b.data + b.size); }
+
+void check_unchanged(const Buffer& b, const std::vector<uint8_t>& before, const char* what)
+{
+    for (size_t i = 0; i < b.size; ++i) {
+        if (b.data[i] != before[i]) { fpq_emu::fail("input %s byte %zu was written by the kernel", what, i); }
+    }
+}
+
 void compare_runs(const Buffer& a, const Buffer& b, const char* what)
 {
     for (size_t i = 0; i < a.size; ++i) {
@@ -136,7 +159,9 @@ void serve(const Request& req)
     if (rows < 0 || k < 0 || g < 1) { fpq_emu::fail("bad geometry rows=%lld k=%lld G=%lld", (long long)rows, (long long)k, (long long)g); }
     const size_t n_scales = size_t(rows * (k == 0 ? 0 : fpq::ceil_div(k, g)));
     const size_t code_bytes = size_t(rows * fpq::row_bytes(k, g, bits));
-    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0};
+    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0, 0};
+    fpq_emu::fp8_conversions() = 0;
+    alarm(kTimeoutSeconds);
 
     if (req.op == 0) {
         const bool e8m0 = req.scale_mode != int(fpq::ScaleMode::kFp32);
@@ -144,6 +169,7 @@ void serve(const Request& req)
         Buffer given(req.has_given_scales ? n_scales * 4 : 0, req.misalign[1]);
         read_exact(x.data, x.size);
         read_exact(given.data, given.size);
+        const auto x_before = snapshot(x), given_before = snapshot(given);
         std::unique_ptr<Buffer> outs[2][2];
         for (int pass = 0; pass < 2; ++pass) {
             outs[pass][0] = std::make_unique<Buffer>(code_bytes, req.misalign[2]);
@@ -161,6 +187,9 @@ void serve(const Request& req)
         }
         compare_runs(*outs[0][0], *outs[1][0], "codes");
         compare_runs(*outs[0][1], *outs[1][1], "scales");
+        check_unchanged(x, x_before, "x");
+        check_unchanged(given, given_before, "given scales");
+        resp.fp8_conversions = fpq_emu::fp8_conversions();
         write_exact(&resp, sizeof resp);
         write_exact(outs[0][0]->data, outs[0][0]->size);
         write_exact(outs[0][1]->data, outs[0][1]->size);
@@ -169,6 +198,7 @@ void serve(const Request& req)
         Buffer scales(n_scales * 4, req.misalign[1]);
         read_exact(codes.data, codes.size);
         read_exact(scales.data, scales.size);
+        const auto codes_before = snapshot(codes), scales_before = snapshot(scales);
         std::unique_ptr<Buffer> outs[2];
         for (int pass = 0; pass < 2; ++pass) {
             outs[pass] = std::make_unique<Buffer>(size_t(rows * k) * esize, req.misalign[2]);
@@ -179,18 +209,66 @@ void serve(const Request& req)
             run(fmt, a, req.max_blocks, pass == 1, resp);
         }
         compare_runs(*outs[0], *outs[1], "out");
+        check_unchanged(codes, codes_before, "codes");
+        check_unchanged(scales, scales_before, "scales");
+        write_exact(&resp, sizeof resp);
+        write_exact(outs[0]->data, outs[0]->size);
+    } else if (req.op == 2) {
+        const int64_t n = rows, m = req.m;
+        if (m < 0 || m > fpq::kGemvMaxRows || req.block_rows < 1) { fpq_emu::fail("bad linear geometry"); }
+        const auto kind = fpq::LinearScale(req.scale_kind);
+        const size_t scale_bytes = kind == fpq::LinearScale::kFp32 ? 4 : 1;
+        const size_t n_scales = size_t(fpq::ceil_div(n, req.block_rows) * req.scale_cols);
+        Buffer x(size_t(m * k) * esize, req.misalign[0]);
+        Buffer codes(code_bytes, req.misalign[1]);
+        Buffer scales(n_scales * scale_bytes, req.misalign[2]);
+        Buffer bias(req.has_bias ? size_t(n) * esize : 0, req.misalign[3]);
+        for (Buffer* b : {&x, &codes, &scales, &bias}) { read_exact(b->data, b->size); }
+        const auto x_before = snapshot(x), codes_before = snapshot(codes), scales_before = snapshot(scales),
+                   bias_before = snapshot(bias);
+        std::unique_ptr<Buffer> outs[2];
+        for (int pass = 0; pass < 2; ++pass) {
+            outs[pass] = std::make_unique<Buffer>(size_t(m * n) * esize, req.misalign[4]);
+            std::memset(outs[pass]->data, pass ? 0xff : 0x00, outs[pass]->size);
+            fpq::GemvArgs a;
+            a.w.codes = codes.data, a.w.scales = scales.data, a.w.scale_kind = kind;
+            a.w.block_rows = req.block_rows, a.w.scale_cols = req.scale_cols, a.w.tensor_scale = req.tensor_scale;
+            a.w.weight_dtype = dtype, a.w.m = m, a.w.n = n, a.w.k = k, a.w.group_size = g;
+            a.w.row_bytes = fpq::row_bytes(k, g, bits);
+            a.x = x.data, a.bias = req.has_bias ? bias.data : nullptr, a.y = outs[pass]->data;
+            fpq::cuda_kernels::launch_gemv(fmt, a, [&](auto kernel, dim3 grid, dim3 block) {
+                const auto stats = fpq_emu::launch(grid, block, [&] { kernel(a); }, pass == 1);
+                resp.launched = 1, resp.grid_x = grid.x, resp.block_x = block.x, resp.threads = stats.threads;
+                resp.switches += stats.switches;
+            });
+        }
+        compare_runs(*outs[0], *outs[1], "y");
+        check_unchanged(x, x_before, "x");
+        check_unchanged(codes, codes_before, "codes");
+        check_unchanged(scales, scales_before, "scales");
+        check_unchanged(bias, bias_before, "bias");
         write_exact(&resp, sizeof resp);
         write_exact(outs[0]->data, outs[0]->size);
     } else {
         fpq_emu::fail("unknown op %d", req.op);
     }
     std::fflush(stdout);
+    alarm(0);
+}
+
+void on_timeout(int)
+{
+    static const char msg[] = "cuda-emulation: a request ran past the timeout (a kernel loop that never ends?)\n";
+    (void)!write(2, msg, sizeof msg - 1);
+    std::abort();
 }
 
 }  // namespace
 
 int main()
 {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test process
+    signal(SIGALRM, on_timeout);
     Request req;
     while (std::fread(&req, sizeof req, 1, stdin) == 1) {
         if (req.magic != kMagic) { fpq_emu::fail("bad request magic"); }

@@ -1,0 +1,34 @@
+"""The quantized linear on CUDA tensors (skipped without a CUDA device): the GEMV kernel up to 16 rows of
+x, panels of decoded weight rows + cuBLAS beyond, against the fp64 bound every linear path is held to.
+The same GEMV kernel runs in the CPU emulation in CI (ops/fp_quantizer/test_cuda_emulation_linear.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant import linear as linear_module
+from unit.linear_bound import assert_linear_within_bound
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda(qt):
+    ts = None if qt.tensor_scale is None else qt.tensor_scale.cuda()
+    return dataclasses.replace(qt, codes=qt.codes.cuda(), scales=qt.scales.cuda(), tensor_scale=ts)
+
+
+@pytest.mark.parametrize("fmt,kwargs", [("e4m3", {"group_size": 128}), ("e2m1", {"group_size": 32}),
+                                        ("e3m2", {"group_size": 7}), ("e4m7", {"group_size": 100}),
+                                        ("mxfp4", {}), ("nvfp4", {}), ("e4m3", {"block": (128, 128)})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 300])
+def test_cuda_linear_within_bound(monkeypatch, fmt, kwargs, dtype, m):
+    monkeypatch.setattr(linear_module, "CUDA_PANEL_BYTES", 64 * 300 * 4)  # several panels at every dtype
+    w = torch.randn(300, 300)
+    qt = fpq.quantize(w, fmt, **kwargs)
+    x, bias = torch.randn(m, 300).to(dtype), torch.randn(300)
+    y = linear_module.linear(x.cuda(), _cuda(qt), bias.cuda())
+    assert y.device.type == "cuda" and y.dtype == dtype
+    assert_linear_within_bound(x, qt, bias, y.cpu())
