@@ -7,9 +7,11 @@
 # and check it (scripts/check_cuda_jit.py); the exact test suite with the CUDA targets (large
 # 64-bit-index test included; the hardware fp8 conversion against the PTX definition the CPU
 # emulation assumes; the emulation tests themselves are left to CI); compute-sanitizer memcheck
-# on a short run; the benchmark table
+# on a short run (the GEMV of the quantized linear included); the benchmark table
 # (bf16 -> e4m3/e5m2/e2m1, G=128, 256 MiB and 2 GiB, against a device copy and torch composite
-# ops). Every step runs even if an earlier one failed; the summary says which passed.
+# ops); the quantized linear against bf16 nn.Linear, model-sized, CUDA graphs for M <= 16
+# (scripts/bench_linear_cuda.py). Every step runs even if an earlier one failed; the summary says
+# which passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu}"
@@ -34,4 +36,5 @@ step build 300 $py scripts/check_cuda_jit.py
 step tests 300 $py -m pytest -q -x tests/unit/ops -k "not emulation" -p no:cacheprovider --junitxml="$out/junit.xml"
 step sanitizer 240 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $py scripts/sanitize_run.py
 step bench 240 $py -m ds_fpquant bench --device cuda --sizes 256 2048 --formats e4m3 e5m2 e2m1 --group-sizes 128 --json "$out/bench.json"
+step bench_linear 150 $py scripts/bench_linear_cuda.py --repeat 10 --json "$out/bench_linear.json"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"
