@@ -39,6 +39,7 @@ Backend = Literal["auto", "cuda", "cpu", "torch"]
 ScaleFormat = Literal["fp32", "e8m0", "e4m3"]
 Rounding = Literal["nearest", "stochastic"]
 ComputeDtype = Literal["fp32", "fp16", "bf16"]
+Activation = Literal["e4m3"]
 
 
 def _check_fmt(value):
@@ -89,6 +90,10 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
     backend: Backend = "auto"
     #: dtype the weight is dequantized to for the matmul; None: the activation's dtype.
     compute_dtype: Optional[ComputeDtype] = None
+    #: None: weight-only (default). "e4m3": W8A8, activations quantized per token to e4m3 in groups of 128
+    #: (opt-in: changes the numerics); every quantized module must then hold e4m3 weights with fp32 scales in
+    #: groups of 128 or (128, 128) blocks (ds_fpquant.linear.linear).
+    activation: Optional[Activation] = None
 
     _fmt = field_validator("fmt")(_check_fmt)
 
@@ -146,6 +151,12 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
         if fmt not in PRESETS and settings["scale_format"] not in ("fp32", "e8m0"):
             raise ValueError(f"scale_format={settings['scale_format']!r} is only for fmt='nvfp4'; allowed for "
                              f"fmt={fmt!r}: 'fp32', 'e8m0'")
+        if self.activation is not None:
+            layout_ok = block == (128, 128) or (block is None and settings["group_size"] == 128)
+            if fmt != "e4m3" or settings["scale_format"] != "fp32" or not layout_ok:
+                raise ValueError(f"activation={self.activation!r} (W8A8) needs fmt='e4m3' with fp32 scales in groups "
+                                 f"of 128 or block (128, 128); got fmt={fmt!r}, group_size={settings['group_size']}, "
+                                 f"block={block}, scale_format={settings['scale_format']!r}")
         return settings
 
     def settings_for(self, name: str) -> Optional[Dict[str, Any]]:

@@ -28,9 +28,12 @@ import torch
 
 from .formats import FORMATS, PRESETS
 
-#: Table rows: every element format at --group-size, two MX presets (G=32, E8M0 scales) and
-#: DeepSeek-V3-style 128x128 block scaling.
-DEFAULT_ROWS = (*FORMATS, "mxfp8_e4m3", "mxfp4", "nvfp4", "e4m3/128x128")
+#: Table rows: every element format at --group-size, two MX presets (G=32, E8M0 scales),
+#: DeepSeek-V3-style 128x128 block scaling and W8A8 (below).
+#: The W8A8 row: e4m3 weights in groups of 128 and the activations quantized per token to e4m3 (1x128
+#: groups), run on the CPU as the same math in fp32 (``ds_fpquant.linear.linear(activation="e4m3")``).
+W8A8_ROW = "e4m3+w8a8"
+DEFAULT_ROWS = (*FORMATS, "mxfp8_e4m3", "mxfp4", "nvfp4", "e4m3/128x128", W8A8_ROW)
 #: Sentences embedded by default.
 DEFAULT_SENTENCES = 300
 #: Leading docstring paragraphs read per module.
@@ -123,6 +126,8 @@ class Row:
 def _section(fmt: str, group_size: int) -> dict:
     """The ``fp_quantization`` section of one table row. ``"e4m3/128x128"`` means 2-D blocks; a
     preset brings its own group size."""
+    if fmt == W8A8_ROW:
+        return {"fmt": "e4m3", "group_size": 128, "activation": "e4m3"}
     if fmt in PRESETS:
         return {"fmt": fmt}
     if "/" in fmt:
@@ -198,7 +203,7 @@ def run(formats: Sequence[str], group_size: int, sentences: int) -> List[Row]:
         embed_ratio = embed_time_ratio(engine, unquantized, tokenizer, text[:TIMED_SENTENCES])
         cos = (emb * reference).sum(dim=1)
         label_fmt, _, block = fmt.partition("/")
-        label_g = block or str(PRESETS[fmt][1] if fmt in PRESETS else group_size)
+        label_g = block or str(PRESETS[fmt][1] if fmt in PRESETS else (128 if fmt == W8A8_ROW else group_size))
         rows.append(Row(label_fmt, label_g, before, after, cos.mean().item(), cos.min().item(),
                         (nearest_neighbours(emb) == ref_nn).float().mean().item(), seconds, embed_ratio))
     return rows

@@ -76,7 +76,7 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
         if settings is None:
             continue
         new = FPQuantizedLinear.from_linear(linear, compute_dtype=config.compute_dtype, backend=config.backend,
-                                            **settings)
+                                            activation=config.activation, **settings)
         parent, child = _parent(model, name)
         setattr(parent, child, new)
         replaced += 1
@@ -89,7 +89,7 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
             continue
         before += layer.weight.numel() * layer.weight.element_size()
         after += quantize_weight_in_place(layer, compute_dtype=config.compute_dtype, backend=config.backend,
-                                          **settings)
+                                          activation=config.activation, **settings)
         replaced += 1
     targets += sharded
     if replaced:

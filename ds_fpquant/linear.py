@@ -18,17 +18,20 @@ kernel, one rounding of the fp32 result to ``x``'s dtype).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import backends, checks
-from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize
+from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize, quantize
 from .packing import row_bytes
 
-__all__ = ["linear", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
+__all__ = ["linear", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES", "ACTIVATIONS", "check_w8a8_weight"]
+
+_log = logging.getLogger("ds_fpquant")
 
 #: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
 #: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
@@ -106,6 +109,64 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
     return y
 
 
+# ---- W8A8: activations quantized to e4m3 per token (opt-in) ------------------------------------------
+
+#: Activation formats of the W8A8 path: e4m3 codes with fp32 scales in 1x128 groups per token.
+ACTIVATIONS = ("e4m3",)
+W8A8_GROUP = 128
+_w8a8_unavailable: Dict[str, str] = {}  # device -> why torch's blockwise fp8 GEMM could not be used (logged once)
+
+
+def check_w8a8_weight(qt: QuantizedTensor) -> None:
+    """``ValueError`` unless ``qt`` fits the blockwise FP8 GEMM of the W8A8 path: e4m3 with fp32 scales in
+    groups of 128 along ``in_features`` (1x128) or in (128, 128) blocks (DeepSeek-V3 style)."""
+    layout_ok = qt.block == (128, 128) or (qt.block is None and qt.group_size == W8A8_GROUP)
+    if qt.fmt != "e4m3" or qt.scale_format != "fp32" or not layout_ok:
+        raise ValueError(f"activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or "
+                         f"(128, 128) blocks; got fmt={qt.fmt!r}, group_size={qt.group_size}, block={qt.block}, "
+                         f"scale_format={qt.scale_format!r}")
+
+
+def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``torch._scaled_mm`` with 1x128 activation scales and 1x128 or 128x128 weight scales (sm_90, CUDA >= 12.9
+    in torch >= 2.8), or ``None`` (with one log line per device saying why) when it cannot run here."""
+    device = str(xq.codes.device)
+    m, k = xq.shape
+    n = qt.shape[0]
+    reason = _w8a8_unavailable.get(device)
+    if reason is None and (k % 16 or n % 16):
+        reason = f"torch._scaled_mm needs in_features and out_features divisible by 16 (got {k}, {n})"
+    if reason is None and torch.cuda.get_device_capability(xq.codes.device) < (9, 0):
+        reason = "blockwise FP8 GEMM needs sm_90 or newer"
+    if reason is None:
+        a = xq.codes.view(torch.float8_e4m3fn)  # (m, k) row-major
+        b = qt.codes.view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
+        scale_a = xq.scales.t().contiguous().t()  # (m, ceil(k/128)), outer-dim-major
+        scale_b = qt.scales.t()  # (ceil(k/128), n) or (ceil(k/128), ceil(n/128)), outer-dim-major
+        try:
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        except (RuntimeError, TypeError) as exc:
+            reason = f"torch._scaled_mm refused the blockwise scales: {str(exc).splitlines()[0]}"
+    if device not in _w8a8_unavailable:
+        _w8a8_unavailable[device] = reason
+        _log.warning(f"ds_fpquant: W8A8 on {device} runs as dequantized e4m3 activations times the weight, not "
+                     f"an FP8 GEMM: {reason}")
+    return None
+
+
+def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """W8A8: ``x`` quantized per token to e4m3 in 1x128 groups (this project's quantize, fp32 scales), then the
+    FP8 GEMM on CUDA; elsewhere (and where the GEMM is not available) the same math in fp32: the dequantized
+    activations times the weight, one rounding to ``x``'s dtype."""
+    check_w8a8_weight(qt)
+    xq = quantize(x2, "e4m3", W8A8_GROUP, backend=backend)
+    y = _scaled_mm_blockwise(xq, qt, x2.dtype) if x2.is_cuda and x2.shape[0] else None
+    if y is not None:
+        return y if bias is None else y + bias.to(y.dtype)
+    xd = dequantize(xq, torch.float32, backend=backend)
+    return linear(xd, qt, None if bias is None else bias.float(), backend=backend).to(x2.dtype)
+
+
 class _FusedLinear(torch.autograd.Function):
     """Forward through the fused op; backward through the dequantized weight (the weight is frozen:
     no gradient for it, as for DeepSpeed's quantized base weights under LoRA)."""
@@ -127,7 +188,7 @@ class _FusedLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto", activation: Optional[str] = None) -> torch.Tensor:
     """``y = x @ dequantize(qt, x.dtype)^T + bias`` with the weight decoded on the fly.
 
     Args:
@@ -140,6 +201,11 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             GEMV up to ``GEMV_MAX_ROWS`` rows of ``x`` and panels of decoded rows + cuBLAS beyond),
             ``"cpu"``, ``"cuda"`` or ``"torch"`` (dequantize with the torch reference + ``F.linear``, in panels
             on CUDA).
+        activation: ``None`` (weight-only, the default) or ``"e4m3"`` (W8A8, opt-in: it changes the numerics):
+            ``x`` is quantized per token to e4m3 with fp32 scales in groups of 128, and multiplied by an e4m3
+            weight with fp32 scales in groups of 128 or (128, 128) blocks through ``torch._scaled_mm``'s
+            blockwise FP8 GEMM on sm_90+; elsewhere the same math in fp32 (dequantized activations times the
+            weight). Not differentiable.
 
     Returns:
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
@@ -151,9 +217,14 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
         TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
     """
     _check(x, qt, bias, backend)
+    if activation is not None:
+        checks.check_choice("activation", activation, ACTIVATIONS)
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
+    if activation is not None:
+        with torch.no_grad():
+            return _w8a8(x2, qt, bias, backend).reshape(*x.shape[:-1], n)
     if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
         return _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES).reshape(*x.shape[:-1], n)
     if impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
@@ -177,15 +248,18 @@ class QuantizedWeight(torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False):
+    def __new__(cls, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False,
+                activation: Optional[str] = None):
         n, k = qt.shape
         self = torch.Tensor._make_wrapper_subclass(cls, (k, n) if transposed else (n, k), dtype=dtype,
                                                    device=qt.codes.device, requires_grad=False)
         # plain attributes: the Tensor properties (dtype, shape) of a subclass go through __torch_function__
         self.qt, self.backend, self.transposed, self.weight_dtype = qt, backend, transposed, dtype
+        self.activation = activation
         return self
 
-    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False):
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False,
+                 activation: Optional[str] = None):
         super().__init__()
 
     def __repr__(self, *, tensor_contents=None):
@@ -198,7 +272,7 @@ class QuantizedWeight(torch.Tensor):
         return w.t() if self.transposed else w
 
     def _flipped(self) -> "QuantizedWeight":
-        return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed)
+        return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed, self.activation)
 
     @classmethod
     def _dense(cls, value):
@@ -216,12 +290,13 @@ class QuantizedWeight(torch.Tensor):
             x, w = args
             if isinstance(w, cls) and w.transposed and isinstance(x, torch.Tensor) and not isinstance(x, cls):
                 # in the weight's (compute) dtype, returned in x's, as FPQuantizedLinear.forward does
-                return linear(x.to(w.weight_dtype), w.qt, backend=w.backend).to(x.dtype)
+                return linear(x.to(w.weight_dtype), w.qt, backend=w.backend, activation=w.activation).to(x.dtype)
         if func is F.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if not isinstance(args[0], cls) and not isinstance(bias, cls):
                 x = args[0]
-                return linear(x.to(args[1].weight_dtype), args[1].qt, bias, backend=args[1].backend).to(x.dtype)
+                w = args[1]
+                return linear(x.to(w.weight_dtype), w.qt, bias, backend=w.backend, activation=w.activation).to(x.dtype)
         args = torch.utils._pytree.tree_map(cls._dense, args)
         kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs)
         with torch._C.DisableTorchFunctionSubclass():

@@ -13,8 +13,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from . import checks
 from .api import QuantizedTensor, quantize
-from .linear import QuantizedWeight
+from .linear import ACTIVATIONS, QuantizedWeight, check_w8a8_weight
 from .linear import linear as fused_linear
 
 __all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized"]
@@ -49,10 +50,15 @@ class FPQuantizedLinear(torch.nn.Module):
     """
 
     def __init__(self, qt: QuantizedTensor, bias: Optional[torch.Tensor], compute_dtype: Optional[str] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", activation: Optional[str] = None):
         super().__init__()
         if len(qt.shape) != 2:
             raise ValueError(f"FPQuantizedLinear holds a 2-D weight, got shape {tuple(qt.shape)}")
+        if activation is not None:  # W8A8 (ds_fpquant.linear.linear): checked here, before any forward
+            checks.check_choice("activation", activation, ACTIVATIONS)
+            check_w8a8_weight(qt)
+        #: None (weight-only) or "e4m3": activations quantized per token to e4m3 (W8A8, opt-in)
+        self.activation = activation
         self.out_features, self.in_features = qt.shape
         self.fmt, self.group_size, self.orig_dtype = qt.fmt, qt.group_size, qt.dtype
         self.scale_format, self.block = qt.scale_format, qt.block
@@ -63,14 +69,15 @@ class FPQuantizedLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str = "e4m3", group_size: Optional[int] = None, *,
-                    compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs):
+                    compute_dtype: Optional[str] = None, backend: str = "auto", activation: Optional[str] = None,
+                    **quantize_kwargs):
         """Quantize ``linear.weight`` (``(out, in)``, groups along ``in``) and keep its bias.
 
         ``group_size=None`` is 128, or a preset's own; ``quantize_kwargs`` go to
         :func:`ds_fpquant.quantize` (``block``, ``scale_format``, ``rounding``, ``seed``, ...).
         """
         qt = quantize(linear.weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
-        return cls(qt, linear.bias, compute_dtype=compute_dtype, backend=backend)
+        return cls(qt, linear.bias, compute_dtype=compute_dtype, backend=backend, activation=activation)
 
     @property
     def quantized_weight(self) -> QuantizedTensor:
@@ -90,7 +97,8 @@ class FPQuantizedLinear(torch.nn.Module):
         """``x @ W^T + bias`` with ``W = dequantize(weight, compute_dtype)`` (default: ``x``'s dtype), decoded
         on the fly (:func:`ds_fpquant.linear.linear`: the fused CPU op on CPU tensors)."""
         dtype = self.compute_dtype or x.dtype
-        return fused_linear(x.to(dtype), self.quantized_weight, self.bias, backend=self.backend).to(x.dtype)
+        return fused_linear(x.to(dtype), self.quantized_weight, self.bias, backend=self.backend,
+                            activation=self.activation).to(x.dtype)
 
     # state_dict round trip: the format travels with the buffers
     def get_extra_state(self) -> Dict[str, Any]:
@@ -108,8 +116,9 @@ class FPQuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         scaling = f"block={self.block}" if self.block else f"group_size={self.group_size}"
+        w8a8 = f", activation={self.activation}" if self.activation else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt}, {scaling}")
+                f"fmt={self.fmt}, {scaling}{w8a8}")
 
 
 def is_weight_quantized(module: torch.nn.Module) -> bool:
@@ -118,7 +127,8 @@ def is_weight_quantized(module: torch.nn.Module) -> bool:
 
 
 def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_size: Optional[int] = None, *,
-                             compute_dtype: Optional[str] = None, backend: str = "auto", **quantize_kwargs) -> int:
+                             compute_dtype: Optional[str] = None, backend: str = "auto", activation: Optional[str] = None,
+                             **quantize_kwargs) -> int:
     """Store ``module.weight`` (2-D) as FP codes + scales and dequantize it around each forward.
 
     For layers that are not plain ``nn.Linear`` but use ``self.weight`` in their forward, such as
@@ -132,11 +142,15 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(module).__name__}.weight must be a 2-D tensor to be quantized")
     qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+    if activation is not None:
+        checks.check_choice("activation", activation, ACTIVATIONS)
+        check_w8a8_weight(qt)
     del module._parameters["weight"]
     _register_weight_buffers(module, qt)
     module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
                               scale_format=qt.scale_format, block=qt.block,
-                              compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
+                              compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None,
+                              activation=activation)
     module.weight = None
 
     def materialize(mod, args):
@@ -145,7 +159,7 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
         view = _weight_view(mod, meta["shape"], meta["dtype"], meta["fmt"], meta["group_size"], meta["scale_format"],
                             meta["block"])
-        mod.weight = QuantizedWeight(view, dtype, meta["backend"])  # matmul / F.linear run the fused op
+        mod.weight = QuantizedWeight(view, dtype, meta["backend"], activation=meta["activation"])  # the fused op
 
     def release(mod, args, output):
         mod.weight = None

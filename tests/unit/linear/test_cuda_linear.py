@@ -32,3 +32,15 @@ def test_cuda_linear_within_bound(monkeypatch, fmt, kwargs, dtype, m):
     y = linear_module.linear(x.cuda(), _cuda(qt), bias.cuda())
     assert y.device.type == "cuda" and y.dtype == dtype
     assert_linear_within_bound(x, qt, bias, y.cpu())
+
+
+@pytest.mark.parametrize("layout", [{"group_size": 128}, {"block": (128, 128)}])
+@pytest.mark.parametrize("m", [1, 16, 100])
+def test_cuda_w8a8_matches_the_cpu_math(layout, m):
+    """torch._scaled_mm's blockwise FP8 GEMM (or, where it cannot run, the logged fallback) against the fp64
+    product of the e4m3-quantized activations and the weight."""
+    qt = fpq.quantize(torch.randn(256, 384), "e4m3", **layout)
+    x, bias = torch.randn(m, 384), torch.randn(256)
+    y = linear_module.linear(x.cuda(), _cuda(qt), bias.cuda(), activation="e4m3")
+    xd = fpq.dequantize(fpq.quantize(x, "e4m3", 128), torch.float32)
+    assert_linear_within_bound(xd, qt, bias, y.cpu())

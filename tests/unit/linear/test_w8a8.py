@@ -1,0 +1,77 @@
+"""W8A8 (opt-in ``activation="e4m3"``): activations quantized per token to e4m3 in 1x128 groups, times an
+e4m3 weight with fp32 scales in groups of 128 or (128, 128) blocks. On the CPU it runs as the same math in
+fp32 (the reference of what torch._scaled_mm computes on sm_90): checked against an fp64 product of the
+dequantized activations and weight; the activation codes are this project's quantize (bit-exact on every
+backend). The FP8 GEMM itself needs a GPU (test_cuda_linear.py)."""
+
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant import integration
+from ds_fpquant.config import load_config
+from ds_fpquant.linear import linear
+from ds_fpquant.module import FPQuantizedLinear, quantize_weight_in_place
+from unit.linear_bound import assert_linear_within_bound
+
+
+def _activations(x):
+    """What the W8A8 GEMM multiplies: x quantized per token to e4m3 in groups of 128, in fp32."""
+    return fpq.dequantize(fpq.quantize(x, "e4m3", 128), torch.float32)
+
+
+@pytest.mark.parametrize("layout", [{"group_size": 128}, {"block": (128, 128)}])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_w8a8_is_quantized_activations_times_the_weight(layout, m):
+    w, x, bias = torch.randn(200, 384), torch.randn(m, 384) * 3, torch.randn(200)
+    qt = fpq.quantize(w, "e4m3", **layout)
+    y = linear(x, qt, bias, activation="e4m3")
+    assert_linear_within_bound(_activations(x), qt, bias, y)
+    assert not torch.equal(y, linear(x, qt, bias)), "the activations were not quantized"
+
+
+def test_w8a8_bf16_activations_round_once():
+    w, x = torch.randn(64, 256), torch.randn(3, 256).to(torch.bfloat16)
+    qt = fpq.quantize(w, "e4m3", 128)
+    y = linear(x, qt, activation="e4m3")
+    ref = (_activations(x).double() @ fpq.dequantize(qt, torch.float32).double().T)
+    assert y.dtype == torch.bfloat16
+    assert bool(((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 256 * 2.0**-24 * ref.abs().max()).all())
+
+
+@pytest.mark.parametrize("kwargs", [dict(fmt="e2m1", group_size=128), dict(fmt="e4m3", group_size=64),
+                                    dict(fmt="e4m3", group_size=128, scale_format="e8m0"),
+                                    dict(fmt="e4m3", block=(64, 128)), dict(fmt="mxfp8_e4m3")])
+def test_w8a8_refuses_other_weight_layouts(kwargs):
+    fmt = kwargs.pop("fmt")
+    qt = fpq.quantize(torch.randn(128, 256), fmt, **kwargs)
+    with pytest.raises(ValueError, match="W8A8"):
+        linear(torch.randn(2, 256), qt, activation="e4m3")
+    with pytest.raises(ValueError, match="W8A8"):
+        FPQuantizedLinear(qt, None, activation="e4m3")
+
+
+def test_unknown_activation_is_refused():
+    qt = fpq.quantize(torch.randn(16, 128), "e4m3", 128)
+    with pytest.raises(ValueError, match="activation='e5m2'"):
+        linear(torch.randn(2, 128), qt, activation="e5m2")
+    with pytest.raises(TypeError, match="activation"):
+        linear(torch.randn(2, 128), qt, activation=8)
+
+
+def test_config_apply_and_autotp_hook_carry_the_activation():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 256))
+    x = torch.randn(4, 256)
+    config = {"fp_quantization": {"fmt": "e4m3", "activation": "e4m3"}}
+    q = integration.apply(model, config)
+    assert all(m.activation == "e4m3" for m in q.modules() if isinstance(m, FPQuantizedLinear))
+    first = q[0]
+    assert torch.equal(first(x), linear(x, first.quantized_weight, first.bias, activation="e4m3"))
+    layer = torch.nn.Linear(256, 64)  # the AutoTP path: weight replaced by a QuantizedWeight around forward
+    expected = linear(x, fpq.quantize(layer.weight.detach(), "e4m3", 128), layer.bias, activation="e4m3")
+    quantize_weight_in_place(layer, "e4m3", 128, activation="e4m3")
+    assert torch.equal(layer(x), expected)
+    with pytest.raises(Exception, match="W8A8"):
+        load_config({"fp_quantization": {"fmt": "e4m3", "group_size": 32, "activation": "e4m3"}})
+    with pytest.raises(Exception, match="W8A8"):
+        load_config({"fp_quantization": {"fmt": "e4m3", "activation": "e4m3", "modules": {"0": {"fmt": "e2m1"}}}})
