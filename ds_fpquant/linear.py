@@ -114,7 +114,8 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
 #: Activation formats of the W8A8 path: e4m3 codes with fp32 scales in 1x128 groups per token.
 ACTIVATIONS = ("e4m3",)
 W8A8_GROUP = 128
-_w8a8_unavailable: Dict[str, str] = {}  # device -> why torch's blockwise fp8 GEMM could not be used (logged once)
+_w8a8_unavailable: Dict[str, str] = {}  # device -> why it cannot run torch's blockwise FP8 GEMM at all
+_w8a8_logged: set = set()  # reasons already logged
 
 
 def check_w8a8_weight(qt: QuantizedTensor) -> None:
@@ -122,7 +123,7 @@ def check_w8a8_weight(qt: QuantizedTensor) -> None:
     groups of 128 along ``in_features`` (1x128) or in (128, 128) blocks (DeepSeek-V3 style)."""
     layout_ok = qt.block == (128, 128) or (qt.block is None and qt.group_size == W8A8_GROUP)
     if qt.fmt != "e4m3" or qt.scale_format != "fp32" or not layout_ok:
-        raise ValueError(f"activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or "
+        raise ValueError(f"qt: activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or "
                          f"(128, 128) blocks; got fmt={qt.fmt!r}, group_size={qt.group_size}, block={qt.block}, "
                          f"scale_format={qt.scale_format!r}")
 
@@ -133,11 +134,11 @@ def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: to
     device = str(xq.codes.device)
     m, k = xq.shape
     n = qt.shape[0]
+    if device not in _w8a8_unavailable and torch.cuda.get_device_capability(xq.codes.device) < (9, 0):
+        _w8a8_unavailable[device] = "blockwise FP8 GEMM needs sm_90 or newer"  # the one device-wide reason
     reason = _w8a8_unavailable.get(device)
     if reason is None and (k % 16 or n % 16):
         reason = f"torch._scaled_mm needs in_features and out_features divisible by 16 (got {k}, {n})"
-    if reason is None and torch.cuda.get_device_capability(xq.codes.device) < (9, 0):
-        reason = "blockwise FP8 GEMM needs sm_90 or newer"
     if reason is None:
         a = xq.codes.view(torch.float8_e4m3fn)  # (m, k) row-major
         b = qt.codes.view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
@@ -145,10 +146,12 @@ def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: to
         scale_b = qt.scales.t()  # (ceil(k/128), n) or (ceil(k/128), ceil(n/128)), outer-dim-major
         try:
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        except torch.OutOfMemoryError:
+            raise
         except (RuntimeError, TypeError) as exc:
             reason = f"torch._scaled_mm refused the blockwise scales: {str(exc).splitlines()[0]}"
-    if device not in _w8a8_unavailable:
-        _w8a8_unavailable[device] = reason
+    if reason not in _w8a8_logged:  # each distinct reason once; shape reasons are per layer, not cached
+        _w8a8_logged.add(reason)
         _log.warning(f"ds_fpquant: W8A8 on {device} runs as dequantized e4m3 activations times the weight, not "
                      f"an FP8 GEMM: {reason}")
     return None
@@ -158,24 +161,20 @@ def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], b
     """W8A8: ``x`` quantized per token to e4m3 in 1x128 groups (this project's quantize, fp32 scales), then the
     FP8 GEMM on CUDA; elsewhere (and where the GEMM is not available) the same math in fp32: the dequantized
     activations times the weight, one rounding to ``x``'s dtype."""
-    check_w8a8_weight(qt)
     xq = quantize(x2, "e4m3", W8A8_GROUP, backend=backend)
-    y = _scaled_mm_blockwise(xq, qt, x2.dtype) if x2.is_cuda and x2.shape[0] else None
-    if y is not None:
-        return y if bias is None else y + bias.to(y.dtype)
-    xd = dequantize(xq, torch.float32, backend=backend)
-    return linear(xd, qt, None if bias is None else bias.float(), backend=backend).to(x2.dtype)
+    b32 = None if bias is None else bias.detach().float()
+    y = _scaled_mm_blockwise(xq, qt, torch.float32) if x2.is_cuda and x2.shape[0] else None
+    if y is None:
+        y = linear(dequantize(xq, torch.float32, backend=backend), qt, b32, backend=backend)
+    elif b32 is not None:
+        y = y + b32  # in fp32, then one rounding to x's dtype, as on every other path
+    return y.to(x2.dtype)
 
 
-class _FusedLinear(torch.autograd.Function):
-    """Forward through the fused op; backward through the dequantized weight (the weight is frozen:
-    no gradient for it, as for DeepSpeed's quantized base weights under LoRA)."""
-
-    @staticmethod
-    def forward(ctx, x2, bias, op, qt):
-        ctx.qt = qt
-        ctx.has_bias = bias is not None
-        return _fused(op, x2, qt, bias)
+class _StraightThrough(torch.autograd.Function):
+    """Backward of the quantized linears through the dequantized weight (frozen: no gradient for it, as for
+    DeepSpeed's quantized base weights under LoRA); for W8A8 the activation quantization is passed straight
+    through (the straight-through estimator)."""
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -185,6 +184,24 @@ class _FusedLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad_y.sum(0)
         return grad_x, grad_bias, None, None
+
+
+class _W8A8Linear(_StraightThrough):
+    @staticmethod
+    def forward(ctx, x2, bias, backend, qt):
+        ctx.qt = qt
+        ctx.has_bias = bias is not None
+        return _w8a8(x2, qt, bias, backend)
+
+
+class _FusedLinear(_StraightThrough):
+    """Forward through the fused op; backward through the dequantized weight."""
+
+    @staticmethod
+    def forward(ctx, x2, bias, op, qt):
+        ctx.qt = qt
+        ctx.has_bias = bias is not None
+        return _fused(op, x2, qt, bias)
 
 
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
@@ -205,7 +222,8 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             ``x`` is quantized per token to e4m3 with fp32 scales in groups of 128, and multiplied by an e4m3
             weight with fp32 scales in groups of 128 or (128, 128) blocks through ``torch._scaled_mm``'s
             blockwise FP8 GEMM on sm_90+; elsewhere the same math in fp32 (dequantized activations times the
-            weight). Not differentiable.
+            weight); the bias is added in fp32 before the one rounding to ``x``'s dtype. Backward passes the
+            activation quantization straight through.
 
     Returns:
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
@@ -223,8 +241,10 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
     if activation is not None:
-        with torch.no_grad():
-            return _w8a8(x2, qt, bias, backend).reshape(*x.shape[:-1], n)
+        check_w8a8_weight(qt)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return _W8A8Linear.apply(x2, bias, backend, qt).reshape(*x.shape[:-1], n)
+        return _w8a8(x2, qt, bias, backend).reshape(*x.shape[:-1], n)
     if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
         return _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES).reshape(*x.shape[:-1], n)
     if impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM

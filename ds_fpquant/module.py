@@ -76,6 +76,8 @@ class FPQuantizedLinear(torch.nn.Module):
         ``group_size=None`` is 128, or a preset's own; ``quantize_kwargs`` go to
         :func:`ds_fpquant.quantize` (``block``, ``scale_format``, ``rounding``, ``seed``, ...).
         """
+        if activation is not None:
+            checks.check_choice("activation", activation, ACTIVATIONS)
         qt = quantize(linear.weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
         return cls(qt, linear.bias, compute_dtype=compute_dtype, backend=backend, activation=activation)
 
@@ -103,11 +105,14 @@ class FPQuantizedLinear(torch.nn.Module):
     # state_dict round trip: the format travels with the buffers
     def get_extra_state(self) -> Dict[str, Any]:
         return {"fmt": self.fmt, "group_size": self.group_size, "shape": (self.out_features, self.in_features),
-                "scale_format": self.scale_format, "block": self.block,
+                "scale_format": self.scale_format, "block": self.block, "activation": self.activation,
                 "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         mine = self.get_extra_state()
+        if state.get("activation") != self.activation:  # W8A8 changes the numerics: never switched silently
+            raise ValueError(f"state_dict was saved with activation={state.get('activation')!r}; this module has "
+                             f"activation={self.activation!r} (build it with the same activation)")
         keys = ("fmt", "group_size", "scale_format", "block")
         if {k: state.get(k) for k in keys} != {k: mine[k] for k in keys} or tuple(state.get("shape", ())) != mine["shape"]:
             raise ValueError(f"state_dict holds fmt={state.get('fmt')!r}, group_size={state.get('group_size')}, "
@@ -141,9 +146,10 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     weight = module.weight
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(module).__name__}.weight must be a 2-D tensor to be quantized")
-    qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
     if activation is not None:
         checks.check_choice("activation", activation, ACTIVATIONS)
+    qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+    if activation is not None:
         check_w8a8_weight(qt)
     del module._parameters["weight"]
     _register_weight_buffers(module, qt)

@@ -75,3 +75,30 @@ def test_config_apply_and_autotp_hook_carry_the_activation():
         load_config({"fp_quantization": {"fmt": "e4m3", "group_size": 32, "activation": "e4m3"}})
     with pytest.raises(Exception, match="W8A8"):
         load_config({"fp_quantization": {"fmt": "e4m3", "activation": "e4m3", "modules": {"0": {"fmt": "e2m1"}}}})
+
+
+def test_w8a8_backward_passes_the_activation_quantization_straight_through():
+    """Gradients flow (a residual branch beside the layer must not see a silently cut graph): d/dx is
+    grad_y @ dequantize(W), as for the weight-only layer."""
+    lin = torch.nn.Linear(256, 8)
+    m = FPQuantizedLinear.from_linear(lin, activation="e4m3")
+    x = torch.randn(3, 256, requires_grad=True)
+    (m(x * 2) + x[:, :8]).sum().backward()
+    w = fpq.dequantize(m.quantized_weight, torch.float32)
+    expected = 2 * torch.ones(3, 8) @ w
+    expected[:, :8] += 1
+    assert torch.allclose(x.grad, expected, rtol=1e-5, atol=1e-5)
+    assert m.bias.grad is None  # the module's bias is frozen
+
+
+def test_state_dict_keeps_the_activation():
+    lin = torch.nn.Linear(256, 8)
+    w8a8, weight_only = (FPQuantizedLinear.from_linear(lin, activation=a) for a in ("e4m3", None))
+    with pytest.raises(ValueError, match="activation"):
+        weight_only.load_state_dict(w8a8.state_dict())
+    with pytest.raises(ValueError, match="activation"):
+        w8a8.load_state_dict(weight_only.state_dict())
+    again = FPQuantizedLinear.from_linear(torch.nn.Linear(256, 8), activation="e4m3")
+    again.load_state_dict(w8a8.state_dict())
+    x = torch.randn(2, 256)
+    assert torch.equal(again(x), w8a8(x))
