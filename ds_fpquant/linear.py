@@ -129,21 +129,27 @@ def check_w8a8_weight(qt: QuantizedTensor) -> None:
 
 
 def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``torch._scaled_mm`` with 1x128 activation scales and 1x128 or 128x128 weight scales (sm_90, CUDA >= 12.9
-    in torch >= 2.8), or ``None`` (with one log line per device saying why) when it cannot run here."""
+    """``torch._scaled_mm`` with 1x128 activation scales and 1x128 or 128x128 weight scales, or ``None`` (each
+    reason logged once) when it cannot run here.
+
+    Layouts as torch's ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` checks them (``get_joint_scaling`` tests
+    ``a`` with ``scale_a`` and ``b.t()`` with ``scale_b.t()``): 1x128 scales of an ``(R, K)`` operand are
+    ``(R, ceil(K/128))`` with strides ``(1, R)``; 128x128 scales are ``(ceil(R/128), ceil(K/128))`` row-major.
+    ``_check_deepseek_support``: only sm_90 (major 9), cuBLASLt >= 12.9."""
     device = str(xq.codes.device)
     m, k = xq.shape
     n = qt.shape[0]
-    if device not in _w8a8_unavailable and torch.cuda.get_device_capability(xq.codes.device) < (9, 0):
-        _w8a8_unavailable[device] = "blockwise FP8 GEMM needs sm_90 or newer"  # the one device-wide reason
+    if device not in _w8a8_unavailable and torch.cuda.get_device_capability(xq.codes.device)[0] != 9:
+        _w8a8_unavailable[device] = "torch runs the 1x128/128x128 blockwise FP8 GEMM on sm_90 only"  # device-wide
     reason = _w8a8_unavailable.get(device)
     if reason is None and (k % 16 or n % 16):
         reason = f"torch._scaled_mm needs in_features and out_features divisible by 16 (got {k}, {n})"
     if reason is None:
         a = xq.codes.view(torch.float8_e4m3fn)  # (m, k) row-major
         b = qt.codes.view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
-        scale_a = xq.scales.t().contiguous().t()  # (m, ceil(k/128)), outer-dim-major
-        scale_b = qt.scales.t()  # (ceil(k/128), n) or (ceil(k/128), ceil(n/128)), outer-dim-major
+        scale_a = xq.scales.t().contiguous().t()  # (m, ceil(k/128)), strides (1, m)
+        # scale_b.t() must be the weight's scales: 128x128 as stored (row-major), 1x128 with strides (1, n)
+        scale_b = qt.scales.t() if qt.block is not None else qt.scales.t().contiguous()
         try:
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         except torch.OutOfMemoryError:
