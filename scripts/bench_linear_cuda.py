@@ -7,8 +7,11 @@ not hide the kernels. Reported per (shape, M, format): ms per layer, the ratio b
 1: faster than bf16) and the weight bytes read per second as a share of the device's peak bandwidth
 (``--peak-tbps``, 4.8 for an H200).
 
-Formats: e4m3 (G=128), e2m1 (G=32), nvfp4 and e4m3 with 128x128 blocks, all weight-only through
-``ds_fpquant.linear.linear`` (the GEMV kernel up to 16 rows of x, panels of decoded rows + cuBLAS beyond).
+Formats: e4m3 (G=128), e2m1 (G=32), nvfp4 and e4m3 with 128x128 blocks, weight-only through
+``ds_fpquant.linear.linear`` (the GEMV kernel up to 16 rows of x, panels of decoded rows + cuBLAS beyond),
+and ``e4m3+w8a8``: e4m3 weights in 128x128 blocks with the activations quantized per token
+(``activation="e4m3"``: this project's quantize kernel, then torch._scaled_mm's blockwise FP8 GEMM; a log
+line says so if it falls back).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from ds_fpquant.linear import linear
 
 SHAPES = ((8192, 8192), (28672, 8192), (7168, 2048), (4096, 4096))
 TOKENS = (1, 4, 16, 64, 256, 4096)
-FORMATS = ("e4m3", "e2m1", "nvfp4", "e4m3/128x128")
+FORMATS = ("e4m3", "e4m3+w8a8", "e2m1", "nvfp4", "e4m3/128x128")
+#: Rows run with the activations quantized too (W8A8, torch._scaled_mm's blockwise FP8 GEMM).
+W8A8 = "e4m3+w8a8"
 
 
 def _quantize(w: torch.Tensor, fmt: str):
-    if fmt == "e4m3/128x128":
+    if fmt in ("e4m3/128x128", W8A8):
         return quantize(w, "e4m3", block=(128, 128))
     return quantize(w, fmt, {"e4m3": 128, "e2m1": 32}.get(fmt))
 
@@ -89,7 +94,8 @@ def main(argv=None) -> int:
             rows.append(dict(n=n, k=k, m=m, fmt="bf16 nn.Linear", ms=base, vs_bf16=1.0,
                              weight_tbps=n * k * 2 / base / 1e9))
             for fmt, qts in quantized.items():
-                ms = _time_pass(lambda: [linear(x, qt) for qt in qts], m, args.repeat) / layers
+                activation = "e4m3" if fmt == W8A8 else None
+                ms = _time_pass(lambda: [linear(x, qt, activation=activation) for qt in qts], m, args.repeat) / layers
                 nbytes = qts[0].nbytes
                 rows.append(dict(n=n, k=k, m=m, fmt=fmt, ms=ms, vs_bf16=base / ms, weight_tbps=nbytes / ms / 1e9))
             for r in rows[-1 - len(quantized):]:
