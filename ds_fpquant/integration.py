@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .config import FPQuantizationConfig, load_config, split_config
+from .experts import expert_parameter_names, quantize_experts_in_place
 from .module import FPQuantizedLinear, is_weight_quantized, quantize_weight_in_place
 
 __all__ = ["apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed"]
@@ -92,8 +93,17 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
                                           activation=config.activation, **settings)
         replaced += 1
     targets += sharded
+    experts = [(f"{name}.{pname}", m, pname) for name, m in model.named_modules() for pname in expert_parameter_names(m)]
+    for full_name, module, pname in experts:  # MoE: 3-D (experts, out, in) parameters, each expert on its own
+        settings = config.settings_for(full_name)
+        if settings is None:
+            continue
+        b, a = quantize_experts_in_place(module, pname, compute_dtype=config.compute_dtype, backend=config.backend,
+                                         activation=config.activation, **settings)
+        before, after, replaced = before + b, after + a, replaced + 1
+    targets += experts
     if replaced:
-        logger.info(f"ds_fpquant: replaced {replaced} of {len(targets)} Linear modules ({config.fmt}, "
+        logger.info(f"ds_fpquant: quantized {replaced} of {len(targets)} linear weights and expert stacks ({config.fmt}, "
                     f"G={config._settings(None)['group_size']}); weights {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")
     else:
         logger.info(f"ds_fpquant: no Linear module matched ({len(targets)} found)")

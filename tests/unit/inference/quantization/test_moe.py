@@ -1,0 +1,92 @@
+"""Mixture-of-experts models (transformers 5 fused 3-D expert parameters): ``apply`` quantizes every
+expert, each on its own, and the MoE forward equals that of the model holding the dequantized experts.
+Tiny random Mixtral, Qwen2-MoE and DeepSeek-V3 models made here (no downloads)."""
+
+import copy
+
+import pytest
+import torch
+
+import ds_fpquant as fpq
+from ds_fpquant import integration
+from ds_fpquant.experts import QuantizedExperts, expert_parameter_names
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(kind: str):
+    common = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+        model_class = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, shared_expert_intermediate_size=64,
+                                             decoder_sparse_step=1, **common)
+        model_class = transformers.Qwen2MoeForCausalLM
+    else:
+        config = transformers.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                               n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
+        model_class = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+def _dequantized_reference(model, section):
+    """The model with each expert's matrix replaced by its dequantized quantization (each expert on its own)."""
+    ref = copy.deepcopy(model)
+    for _, module in ref.named_modules():
+        for name in expert_parameter_names(module):
+            p = getattr(module, name)
+            with torch.no_grad():
+                for e in range(p.shape[0]):
+                    qt = fpq.quantize(p[e], section["fmt"], section.get("group_size"), block=section.get("block"))
+                    p[e].copy_(fpq.dequantize(qt, p.dtype))
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("section", [{"fmt": "e4m3", "group_size": 32}, {"fmt": "e2m1", "group_size": 16},
+                                     {"fmt": "e4m3", "block": (16, 32)}])
+def test_apply_quantizes_every_expert_and_matches_the_dequantized_model(kind, section):
+    model = _tiny(kind)
+    stacks = [(n, m) for n, m in model.named_modules() if expert_parameter_names(m)]
+    assert stacks, f"{kind}: no fused expert parameters found"
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = _dequantized_reference(model, section)
+    # only the experts, on the torch backend: the MoE forward must then be bit-identical
+    config = {"fp_quantization": {**section, "backend": "torch", "exclude": ["self_attn", "lm_head", "shared",
+                                                                             r"mlp\.(gate|up|down)_proj"]}}
+    quantized = integration.apply(copy.deepcopy(model), config)
+    for name, module in quantized.named_modules():
+        for pname in ("gate_up_proj", "down_proj"):
+            if hasattr(module, f"{pname}_codes"):
+                assert module._parameters.get(pname) is None and getattr(module, pname) is None
+    n_quantized = sum(len(m._fpq_experts) for m in quantized.modules() if hasattr(m, "_fpq_experts"))
+    assert n_quantized == sum(len(expert_parameter_names(m)) for _, m in stacks)
+    with torch.no_grad():
+        assert torch.equal(quantized(ids).logits, ref(ids).logits)
+    # the fused op (backend auto) agrees within fp32 summation error
+    auto = integration.apply(copy.deepcopy(model), {"fp_quantization": {**section, "exclude": config["fp_quantization"]["exclude"]}})
+    with torch.no_grad():
+        torch.testing.assert_close(auto(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_weigh_less_and_index_to_quantized_weights():
+    from ds_fpquant.experts import _materialize
+
+    model = _tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    before = sum(p.numel() * 4 for p in experts.parameters())
+    integration.apply(model, {"fp_quantization": {"fmt": "e4m3", "group_size": 32}})
+    after = sum(b.numel() for n, b in experts.named_buffers() if n.endswith(("_codes", "_scales")))
+    assert after < before / 3
+    _materialize(experts, (torch.zeros(1, 64),))  # what the forward pre-hook does
+    stack = experts.gate_up_proj
+    assert isinstance(stack, QuantizedExperts) and stack.shape == (4, 192, 64)
+    w2 = stack[torch.tensor(2)]
+    assert type(w2).__name__ == "QuantizedWeight"
+    assert torch.equal(w2.dequantized(), stack.dequantized()[2])
