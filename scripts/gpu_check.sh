@@ -35,7 +35,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 step install 60 bash -c "$py -m pip install -q --no-index --no-deps .whl/*.whl && $py -m pip install -q --no-deps --no-build-isolation -e ."
 step build 120 $py scripts/check_cuda_jit.py
 # the CPU emulation tests of the same kernels run in CI; here the kernels run for real
-step tests 100 $py -m pytest -q -x tests/unit/ops -k "not emulation" -p no:cacheprovider --junitxml="$out/junit.xml"
+step tests 100 $py -m pytest -q -x tests/unit/ops tests/unit/linear/test_cuda_linear.py -k "not emulation" -p no:cacheprovider --junitxml="$out/junit.xml"
 step sanitizer 60 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $py scripts/sanitize_run.py
 step bench 45 $py -m ds_fpquant bench --device cuda --sizes 256 2048 --formats e4m3 e5m2 e2m1 --group-sizes 128 --json "$out/bench.json"
 step bench_linear 90 $py scripts/bench_linear_cuda.py --repeat 10 --json "$out/bench_linear.json"
