@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator, model_validator
 
-from .formats import FORMATS, PRESETS, resolve_preset
+from .formats import FORMATS, PRESETS, resolve_preset, w8a8_weight_problem
 
 #: The top-level key of the section in a DeepSpeed config.
 SECTION = "fp_quantization"
@@ -152,11 +152,9 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             raise ValueError(f"scale_format={settings['scale_format']!r} is only for fmt='nvfp4'; allowed for "
                              f"fmt={fmt!r}: 'fp32', 'e8m0'")
         if self.activation is not None:
-            layout_ok = block == (128, 128) or (block is None and settings["group_size"] == 128)
-            if fmt != "e4m3" or settings["scale_format"] != "fp32" or not layout_ok:
-                raise ValueError(f"activation={self.activation!r} (W8A8) needs fmt='e4m3' with fp32 scales in groups "
-                                 f"of 128 or block (128, 128); got fmt={fmt!r}, group_size={settings['group_size']}, "
-                                 f"block={block}, scale_format={settings['scale_format']!r}")
+            problem = w8a8_weight_problem(fmt, settings["scale_format"], settings["group_size"], block)
+            if problem:
+                raise ValueError(problem)
         return settings
 
     def settings_for(self, name: str) -> Optional[Dict[str, Any]]:

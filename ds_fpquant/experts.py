@@ -22,12 +22,10 @@ import torch
 
 from . import checks
 from .api import QuantizedTensor, dequantize, quantize
-from .linear import ACTIVATIONS, QuantizedWeight, check_w8a8_weight
+from .linear import ACTIVATIONS, DequantizingTensor, QuantizedWeight, check_w8a8_weight
+from .module import COMPUTE_DTYPES
 
 __all__ = ["QuantizedExperts", "expert_parameter_names", "quantize_experts_in_place"]
-
-COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 def expert_parameter_names(module: torch.nn.Module) -> List[str]:
     """The 3-D floating-point parameters of a transformers experts module (class name ending in ``Experts``)."""
@@ -37,7 +35,7 @@ def expert_parameter_names(module: torch.nn.Module) -> List[str]:
             if p is not None and p.dim() == 3 and p.is_floating_point()]
 
 
-class QuantizedExperts(torch.Tensor):
+class QuantizedExperts(DequantizingTensor):
     """``(E, out, in)`` expert weights held as per-expert codes + scales; ``experts[e]`` is expert ``e``'s
     :class:`~ds_fpquant.linear.QuantizedWeight`. A tensor subclass without storage."""
 
@@ -61,10 +59,6 @@ class QuantizedExperts(torch.Tensor):
         return torch.stack([dequantize(qt, self.weight_dtype, backend=self.backend) for qt in self.experts])
 
     @classmethod
-    def _dense(cls, value):
-        return value.dequantized() if isinstance(value, cls) else value
-
-    @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.__getitem__ and isinstance(args[0], cls) and not kwargs:
@@ -74,16 +68,7 @@ class QuantizedExperts(torch.Tensor):
             if isinstance(index, int):
                 self = args[0]
                 return QuantizedWeight(self.experts[index], self.weight_dtype, self.backend, activation=self.activation)
-        args = torch.utils._pytree.tree_map(cls._dense, args)
-        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args = torch.utils._pytree.tree_map(cls._dense, args)
-        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs or {})
-        return func(*args, **kwargs)
+        return cls._dense_call(func, args, kwargs)
 
 
 def _expert_views(module: torch.nn.Module, name: str, meta: Dict) -> List[QuantizedTensor]:

@@ -266,3 +266,18 @@ def resolve_preset(fmt, group_size: Optional[int] = None, scale_format: Optional
         raise ValueError(f"fmt={fmt!r} fixes scale_format={preset_scales!r}; got scale_format={scale_format!r} "
                          f"(leave it out, or use the element format {PRESETS[fmt][0]!r} for other scales)")
     return preset_g, preset_scales
+
+
+#: W8A8 (``activation="e4m3"``): activations in groups of 128 per token, weights in 1x128 groups or 128x128 blocks.
+W8A8_GROUP = 128
+
+
+def w8a8_weight_problem(fmt: str, scale_format: str, group_size: int, block) -> Optional[str]:
+    """Why a weight quantized with these settings cannot take the W8A8 path (the blockwise FP8 GEMM wants
+    e4m3 codes with fp32 scales in 1x128 groups or 128x128 blocks), or ``None`` when it can."""
+    block = None if block is None else tuple(block)
+    layout_ok = block == (W8A8_GROUP, W8A8_GROUP) or (block is None and group_size == W8A8_GROUP)
+    if fmt == "e4m3" and scale_format == "fp32" and layout_ok:
+        return None
+    return (f"activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or (128, 128) "
+            f"blocks; got fmt={fmt!r}, group_size={group_size}, block={block}, scale_format={scale_format!r}")

@@ -18,6 +18,7 @@ kernel, one rounding of the fp32 result to ``x``'s dtype).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Dict, Optional, Tuple
@@ -27,9 +28,10 @@ import torch.nn.functional as F
 
 from . import backends, checks
 from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize, quantize
+from .formats import W8A8_GROUP, w8a8_weight_problem
 from .packing import row_bytes
 
-__all__ = ["linear", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES", "ACTIVATIONS", "check_w8a8_weight"]
+__all__ = ["linear", "QuantizedWeight", "DequantizingTensor", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES", "ACTIVATIONS", "check_w8a8_weight"]
 
 _log = logging.getLogger("ds_fpquant")
 
@@ -113,7 +115,6 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
 
 #: Activation formats of the W8A8 path: e4m3 codes with fp32 scales in 1x128 groups per token.
 ACTIVATIONS = ("e4m3",)
-W8A8_GROUP = 128
 _w8a8_unavailable: Dict[str, str] = {}  # device -> why it cannot run torch's blockwise FP8 GEMM at all
 _w8a8_logged: set = set()  # reasons already logged
 
@@ -121,11 +122,9 @@ _w8a8_logged: set = set()  # reasons already logged
 def check_w8a8_weight(qt: QuantizedTensor) -> None:
     """``ValueError`` unless ``qt`` fits the blockwise FP8 GEMM of the W8A8 path: e4m3 with fp32 scales in
     groups of 128 along ``in_features`` (1x128) or in (128, 128) blocks (DeepSeek-V3 style)."""
-    layout_ok = qt.block == (128, 128) or (qt.block is None and qt.group_size == W8A8_GROUP)
-    if qt.fmt != "e4m3" or qt.scale_format != "fp32" or not layout_ok:
-        raise ValueError(f"qt: activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or "
-                         f"(128, 128) blocks; got fmt={qt.fmt!r}, group_size={qt.group_size}, block={qt.block}, "
-                         f"scale_format={qt.scale_format!r}")
+    problem = w8a8_weight_problem(qt.fmt, qt.scale_format, qt.group_size, qt.block)
+    if problem:
+        raise ValueError(f"qt: {problem}")
 
 
 def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -177,10 +176,16 @@ def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], b
     return y.to(x2.dtype)
 
 
-class _StraightThrough(torch.autograd.Function):
-    """Backward of the quantized linears through the dequantized weight (frozen: no gradient for it, as for
-    DeepSpeed's quantized base weights under LoRA); for W8A8 the activation quantization is passed straight
-    through (the straight-through estimator)."""
+class _QuantizedLinear(torch.autograd.Function):
+    """``forward(x2, qt, bias)`` (the fused op, or W8A8) with the backward through the dequantized weight (frozen:
+    no gradient for it, as for DeepSpeed's quantized base weights under LoRA); for W8A8 the activation
+    quantization is passed straight through (the straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x2, bias, forward, qt):
+        ctx.qt = qt
+        ctx.has_bias = bias is not None
+        return forward(x2, qt, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -190,24 +195,6 @@ class _StraightThrough(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad_y.sum(0)
         return grad_x, grad_bias, None, None
-
-
-class _W8A8Linear(_StraightThrough):
-    @staticmethod
-    def forward(ctx, x2, bias, backend, qt):
-        ctx.qt = qt
-        ctx.has_bias = bias is not None
-        return _w8a8(x2, qt, bias, backend)
-
-
-class _FusedLinear(_StraightThrough):
-    """Forward through the fused op; backward through the dequantized weight."""
-
-    @staticmethod
-    def forward(ctx, x2, bias, op, qt):
-        ctx.qt = qt
-        ctx.has_bias = bias is not None
-        return _fused(op, x2, qt, bias)
 
 
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
@@ -248,22 +235,48 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
     if activation is not None:
         check_w8a8_weight(qt)
-        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-            return _W8A8Linear.apply(x2, bias, backend, qt).reshape(*x.shape[:-1], n)
-        return _w8a8(x2, qt, bias, backend).reshape(*x.shape[:-1], n)
-    if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
+        forward = functools.partial(_w8a8, backend=backend)
+    elif x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
         return _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES).reshape(*x.shape[:-1], n)
-    if impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
+    elif impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
         weight = dequantize(qt, x.dtype, backend=backend)
         return F.linear(x2, weight, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        y = _FusedLinear.apply(x2, bias, impl, qt)
     else:
-        y = _fused(impl, x2, qt, bias)
+        forward = functools.partial(_fused, impl)
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _QuantizedLinear.apply(x2, bias, forward, qt)
+    else:
+        y = forward(x2, qt, bias)
     return y.reshape(*x.shape[:-1], n)
 
 
-class QuantizedWeight(torch.Tensor):
+class DequantizingTensor(torch.Tensor):
+    """Base of the storage-less tensor subclasses that stand in for a quantized weight (:class:`QuantizedWeight`,
+    :class:`ds_fpquant.experts.QuantizedExperts`): a subclass handles the calls it runs quantized in its
+    ``__torch_function__`` and passes the rest to :meth:`_dense_call`, which sees :meth:`dequantized`."""
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _dense(value):
+        return value.dequantized() if isinstance(value, DequantizingTensor) else value
+
+    @classmethod
+    def _dense_call(cls, func, args, kwargs):
+        args = torch.utils._pytree.tree_map(cls._dense, args)
+        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs or {})
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args = torch.utils._pytree.tree_map(cls._dense, args)
+        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs or {})
+        return func(*args, **kwargs)
+
+
+class QuantizedWeight(DequantizingTensor):
     """An ``(out, in)`` weight held as codes + scales, standing in for ``module.weight`` in layers whose
     forward is ``torch.matmul(x, self.weight.transpose(-1, -2))`` or ``F.linear(x, self.weight)``
     (DeepSpeed's AutoTP ``LinearLayer`` / ``LinearAllreduce``): those calls run :func:`linear` (the
@@ -301,10 +314,6 @@ class QuantizedWeight(torch.Tensor):
         return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed, self.activation)
 
     @classmethod
-    def _dense(cls, value):
-        return value.dequantized() if isinstance(value, cls) else value
-
-    @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.Tensor.transpose, torch.transpose) and isinstance(args[0], cls) and not kwargs:
@@ -323,13 +332,4 @@ class QuantizedWeight(torch.Tensor):
                 x = args[0]
                 w = args[1]
                 return linear(x.to(w.weight_dtype), w.qt, bias, backend=w.backend, activation=w.activation).to(x.dtype)
-        args = torch.utils._pytree.tree_map(cls._dense, args)
-        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args = torch.utils._pytree.tree_map(cls._dense, args)
-        kwargs = torch.utils._pytree.tree_map(cls._dense, kwargs or {})
-        return func(*args, **kwargs)
+        return cls._dense_call(func, args, kwargs)
