@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -31,9 +32,11 @@ import torch
 
 from . import __version__
 from .api import _check_quantized, quantize
+from .checkpoint_keys import CheckpointKeys, expert_parameters
+from .experts import install_quantized_experts, join_rows, split_rows
 from .formats import FORMATS, PRESETS
 
-__all__ = ["quantize_checkpoint", "load_quantized", "main"]
+__all__ = ["PartialBlocksWarning", "quantize_checkpoint", "load_quantized", "main"]
 
 CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -41,6 +44,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".ot")
 FP8_METHOD, OWN_METHOD = "fp8", "ds_fpquant"
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+#: dtypes of ``weight_scale_inv`` in block-FP8 checkpoints: multipliers, or E8M0 exponent bytes (SPEC 3.2).
+FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+E8M0_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 #: Suffixes of the tensors that belong to a quantized weight, in both layouts.
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2")
 DEFAULT_BLOCK = (128, 128)
@@ -89,9 +95,9 @@ def _shard_files(directory: Path) -> List[Path]:
     return files
 
 
-def _tensor_headers(files: Sequence[Path]) -> Dict[str, str]:
-    """Every tensor name -> its safetensors dtype (``"F32"``, ``"F8_E4M3"``, ``"U8"``, ...), from the
-    file headers only."""
+def _tensor_headers(files: Sequence[Path]) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """Every tensor name -> its safetensors dtype (``"F32"``, ``"F8_E4M3"``, ``"U8"``, ...) and shape,
+    from the file headers only."""
     from safetensors import safe_open
 
     headers = {}
@@ -99,7 +105,8 @@ def _tensor_headers(files: Sequence[Path]) -> Dict[str, str]:
         try:
             with safe_open(path, framework="pt") as fh:
                 for key in fh.keys():
-                    headers[key] = fh.get_slice(key).get_dtype()
+                    piece = fh.get_slice(key)
+                    headers[key] = (piece.get_dtype(), tuple(piece.get_shape()))
         except Exception as exc:  # safetensors raises its own SafetensorError for a damaged file
             raise ValueError(f"{str(path)!r} is not a readable safetensors file: {exc}") from None
     return headers
@@ -147,19 +154,6 @@ def _linear_modules(model: torch.nn.Module) -> Dict[str, bool]:
     from .integration import is_conv1d
 
     return {name: is_conv1d(m) for name, m in model.named_modules() if type(m) is torch.nn.Linear or is_conv1d(m)}
-
-
-def _module_name(key: str, suffix: str, modules: Dict[str, Any], prefix: str) -> Optional[str]:
-    """The module of checkpoint tensor ``key`` (``<module><suffix>``), allowing the base-model prefix
-    to be present in the checkpoint but not in the model, or the other way round."""
-    if not key.endswith(suffix):
-        return None
-    name = key[:-len(suffix)]
-    for candidate in (name, name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None,
-                      f"{prefix}.{name}" if prefix else None):
-        if candidate is not None and candidate in modules:
-            return candidate
-    return None
 
 
 # ---- quantize_checkpoint --------------------------------------------------------------------------
@@ -244,15 +238,25 @@ def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude:
     return config, FP8_METHOD if fp8 else OWN_METHOD, layout
 
 
+class PartialBlocksWarning(UserWarning):
+    """Weights kept in full precision by the ``allow_partial_blocks`` rule of :func:`quantize_checkpoint`."""
+
+
 #: safetensors dtypes of the weights that can be quantized (fp32 / fp16 / bf16, SPEC 2).
 QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
                         group_size: Optional[int] = None, scale_format: Optional[str] = None,
-                        exclude: Sequence[str] = (), backend: str = "auto",
+                        exclude: Sequence[str] = (), backend: str = "auto", allow_partial_blocks: bool = False,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Dict[str, Any]:
-    """Quantize the linear weights of the Hugging Face model directory ``src`` into ``dst``.
+    """Quantize the linear weights and the expert weights of the Hugging Face model directory ``src``
+    into ``dst``.
+
+    Expert weights (MoE layers, fused ``(E, out, in)`` parameters in transformers 5) are quantized each
+    expert on its own, as :func:`ds_fpquant.apply` does, and written under the checkpoint's own
+    per-expert keys (``mlp.experts.{e}.gate_proj.weight`` + ``weight_scale_inv``, ...); gate and up of
+    an expert are quantized together as the fused ``gate_up_proj`` row they form, then split.
 
     Args:
         src: directory with ``config.json`` and ``.safetensors`` weights (one file or an index).
@@ -267,13 +271,18 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
             on top of :data:`ds_fpquant.config.DEFAULT_EXCLUDE` (embeddings, output heads).
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"torch"`` (tensors are quantized on CPU, or
             on the GPU with ``"cuda"``).
+        allow_partial_blocks: block-FP8 layout only. By default a weight that a loader inferring the
+            block size from the scales (transformers: ``rows // scale_rows``) would misread is kept in
+            full precision and listed in one warning: a side that is neither a multiple of its block
+            nor within one block, and GPT-2 ``Conv1D`` weights (stored ``(in, out)``). ``True`` writes
+            them too; ds_fpquant's own loader reads them exactly.
         max_shard_bytes: the largest output shard (the memory the writer holds).
         progress: show a tqdm progress bar over the tensors.
 
     Returns:
         a summary: ``quantized`` / ``copied`` tensor counts, ``bytes_before`` / ``bytes_after`` of the
         weights, ``shards`` (file names), ``skipped_files`` (other weight formats not copied),
-        ``quantization_config``.
+        ``kept_partial`` (weights kept by the ``allow_partial_blocks`` rule), ``quantization_config``.
 
     Raises:
         ValueError, TypeError: bad arguments, a missing or already-quantized ``src``, a non-empty ``dst``.
@@ -292,6 +301,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ValueError(f"dst={str(dst)!r} must be outside src={str(src)!r}")
     max_shard_bytes = checks.check_int("max_shard_bytes", max_shard_bytes, 1)
+    allow_partial_blocks = checks.check_flag("allow_partial_blocks", allow_partial_blocks)
     checks.check_choice("backend", backend, BACKENDS)
     if backend == "cuda" and not torch.cuda.is_available():
         raise ValueError("backend='cuda' needs a CUDA device; none is available here (use 'auto' or 'cpu')")
@@ -303,20 +313,64 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     files = _shard_files(src)
     headers = _tensor_headers(files)
     meta = _meta_model(hf_config)
-    linears, prefix = _linear_modules(meta), getattr(meta, "base_model_prefix", "")
-    unmatched = [p for p in exclude if not any(re.search(p, name) for name in linears)]
+    linears, keys = _linear_modules(meta), CheckpointKeys(meta)
+    names = [*linears, *expert_parameters(meta)]
+    unmatched = [p for p in exclude if not any(re.search(p, name) for name in names)]
     if unmatched:
-        raise ValueError(f"exclude patterns {unmatched} match none of the {len(linears)} linear modules "
-                         f"(e.g. {', '.join(list(linears)[:3])}); nothing would be excluded by them")
-    stored = {name: key for key in headers if (name := _module_name(key, ".weight", linears, prefix)) is not None}
+        raise ValueError(f"exclude patterns {unmatched} match none of the {len(names)} linear modules and expert "
+                         f"parameters (e.g. {', '.join(names[:3])}); nothing would be excluded by them")
+    stored = {name: key for key in headers if (name := keys.module(key, ".weight", linears)) is not None}
     plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
-    bad = {key: headers[key] for key in plan if headers[key] not in QUANTIZABLE_DTYPES}
+    expert_plan = {key: part for key in headers if key not in plan and (part := keys.part(key)) is not None
+                   and config.settings_for(part.target) is not None}
+    fused_plan = {key: target for key in headers if (target := keys.fused(key)) is not None
+                  and config.settings_for(target) is not None}
+    # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
+    unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
+    bad = {key: headers[key][0] for key in [*plan, *expert_plan, *fused_plan] if headers[key][0] not in QUANTIZABLE_DTYPES}
     if bad:
         raise ValueError(f"these linear weights cannot be quantized (dtypes {', '.join(QUANTIZABLE_DTYPES)} only): "
                          f"{bad}; exclude them with exclude=[...]")
+    kept_partial = []
+    if method == FP8_METHOD and not allow_partial_blocks:
+        # what transformers' FP8 loader (and others inferring the block as rows // scale_rows) misreads or refuses
+        block = layout["weight_block_size"]
+        for key, name in list(plan.items()):
+            if linears[name] or not _whole_blocks(headers[key][1], block):
+                kept_partial.append(name)
+                del plan[key]
+        matrices = [*((p.target, headers[k][1]) for k, p in expert_plan.items()),
+                    *((t, (rows, headers[k][1][2])) for k, t in fused_plan.items() if unfused[k]
+                      for _, rows in unfused[k].values()),
+                    *((t, headers[k][1][1:]) for k, t in fused_plan.items() if not unfused[k])]
+        partial_targets = {target for target, shape in matrices if not _whole_blocks(shape, block)}
+        expert_plan = {k: p for k, p in expert_plan.items() if p.target not in partial_targets}
+        fused_plan = {k: t for k, t in fused_plan.items() if t not in partial_targets}
+        kept_partial += sorted(partial_targets)
+        if kept_partial:
+            warnings.warn(f"kept in full precision, since transformers' FP8 loader would misread or refuse them (blocks "
+                          f"cut by the matrix edge, or Conv1D weights; allow_partial_blocks=True / "
+                          f"--allow-partial-blocks writes them for ds_fpquant's own loader): {', '.join(kept_partial)}",
+                          PartialBlocksWarning, stacklevel=2)
     # linears whose weight is not in the files (tied to the embeddings) or that are excluded stay as they are
+    quantized_targets = {*(p.target for p in expert_plan.values()), *fused_plan.values()}
     not_converted = [name for name in linears if name not in plan.values()]
+    not_converted += [name for name in keys.params if name not in quantized_targets]
     device = "cuda" if backend == "cuda" else "cpu"
+
+    def quantize_matrix(weight: torch.Tensor, target: str):
+        return quantize(weight.to(device), **config.settings_for(target), backend=backend)
+
+    def expert_matrices(target: str, part_keys: Sequence[str], tensors: Sequence[torch.Tensor]):
+        """(checkpoint base name, QuantizedTensor) of one expert's parts: quantized together as the row of the
+        fused parameter they form (gate over up), as apply quantizes it, then split."""
+        rows = [t.shape[0] for t in tensors]
+        block_rows = (layout["weight_block_size"] or (1,))[0]
+        if all(n % block_rows == 0 for n in rows[:-1]):
+            qts = split_rows(quantize_matrix(torch.cat(tensors), target), rows)
+        else:  # a block of rows would span two parts: each part gets its own blocks
+            qts = [quantize_matrix(t, target) for t in tensors]
+        return [(k[:-len(".weight")], qt) for k, qt in zip(part_keys, qts)]
 
     created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
@@ -324,36 +378,58 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         writer = _ShardWriter(dst, max_shard_bytes)
         dtypes: Counter = Counter()
         bytes_before = bytes_after = 0
+        pending: Dict[Tuple[str, int], Dict[int, Tuple[str, torch.Tensor]]] = {}  # an expert's parts read so far
         for key, tensor in tqdm(_iter_tensors(files), total=len(headers), desc="quantize", unit="tensor",
                                 disable=not progress):
-            name = plan.get(key)
-            if name is None:
+            if key in plan:
+                name = plan[key]
+                weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
+                written = [(key[:-len(".weight")], quantize_matrix(weight, name))]
+            elif key in fused_plan and unfused[key]:  # a stored stack, written per expert under the released keys
+                written = []
+                for e in range(tensor.shape[0]):
+                    names = sorted((part.part, name, rows) for name, (part, rows) in unfused[key].items()
+                                   if part.expert == e)
+                    pieces = torch.split(tensor[e], [rows for _, _, rows in names])
+                    written += expert_matrices(fused_plan[key], [name for _, name, _ in names], pieces)
+            elif key in fused_plan:  # a stored stack of a model without per-expert keys: each expert on its own
+                qts = [quantize_matrix(tensor[e], fused_plan[key]) for e in range(tensor.shape[0])]
+                stacked = [_layout_tensors(qt, method, fmt) for qt in qts]
+                for part_name in stacked[0]:
+                    writer.add(key + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
+                written = []
+                bytes_after += sum(qt.nbytes for qt in qts)
+            elif key in expert_plan:  # one expert's gate, up or down, written when all its parts are read
+                part = expert_plan[key]
+                parts = pending.setdefault((part.target, part.expert), {})
+                parts[part.part] = (key, tensor)
+                if len(parts) < part.parts:
+                    continue
+                del pending[(part.target, part.expert)]
+                part_keys, tensors = zip(*(parts[i] for i in range(part.parts)))
+                written = expert_matrices(part.target, part_keys, tensors)
+            else:
                 writer.add(key, tensor)
                 continue
-            weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
-            qt = quantize(weight.to(device), **config.settings_for(name), backend=backend)
-            base = key[:-len(".weight")]
-            if method == FP8_METHOD:
-                parts = {key: qt.codes.view(FP8_DTYPES[fmt]), f"{base}.weight_scale_inv": qt.scales}
-            else:
-                scales = qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales
-                parts = {key: qt.codes, f"{base}.weight_scale": scales}
-                if qt.tensor_scale is not None:
-                    parts[f"{base}.weight_scale_2"] = qt.tensor_scale
-            for part_key, part in parts.items():
-                writer.add(part_key, part.cpu())
-            dtypes[str(tensor.dtype).replace("torch.", "")] += 1
-            bytes_before += tensor.numel() * tensor.element_size()
-            bytes_after += qt.nbytes
+            for base, qt in written:
+                for part_name, part_tensor in _layout_tensors(qt, method, fmt).items():
+                    writer.add(f"{base}.{part_name}", part_tensor)
+                bytes_after += qt.nbytes
+            sources = tensors if key in expert_plan else (tensor,)
+            dtypes[str(tensor.dtype).replace("torch.", "")] += len(sources)
+            bytes_before += sum(t.numel() * t.element_size() for t in sources)
+        if pending:
+            raise ValueError(f"src={str(src)!r}: these experts lack some of their matrices (gate / up): "
+                             f"{sorted(f'{target}[{e}]' for target, e in pending)}")
         shards = writer.close()
         qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
         if method == FP8_METHOD:
             qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
         else:
             qconfig.update(layout, codes="uint8, SPEC 6 row packing")
-        quantized = list(plan.values())
+        quantized = [*plan, *expert_plan, *fused_plan]
         qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
-                       ds_fpquant={"version": __version__, "transposed": [n for n in quantized if linears[n]],
+                       ds_fpquant={"version": __version__, "transposed": [n for n in plan.values() if linears[n]],
                                    "weight_dtype": dtypes.most_common(1)[0][0] if dtypes else "float32"})
         skipped = _copy_other_files(src, dst, qconfig)
     except BaseException:  # leave no half-written checkpoint behind
@@ -364,7 +440,27 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
         raise
     return {"quantized": len(quantized), "copied": len(headers) - len(quantized), "bytes_before": bytes_before,
-            "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "quantization_config": qconfig}
+            "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "kept_partial": kept_partial,
+            "quantization_config": qconfig}
+
+
+def _whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
+    """Whether a loader that infers the block from the scales' shape (``rows // scale_rows``, as
+    transformers' FP8 loader does) reads a ``shape`` matrix with ``block`` blocks correctly: each side is
+    a multiple of its block or fits in one."""
+    return all(n <= b or n % b == 0 for n, b in zip(shape, block))
+
+
+def _layout_tensors(qt, method: str, fmt: str) -> Dict[str, torch.Tensor]:
+    """The tensors that store ``qt`` in the checkpoint layout, by name (``weight``, ``weight_scale_inv``,
+    ``weight_scale``, ``weight_scale_2``), on the CPU."""
+    if method == FP8_METHOD:
+        return {"weight": qt.codes.view(FP8_DTYPES[fmt]).cpu(), "weight_scale_inv": qt.scales.cpu()}
+    parts = {"weight": qt.codes.cpu(),
+             "weight_scale": (qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales).cpu()}
+    if qt.tensor_scale is not None:
+        parts["weight_scale_2"] = qt.tensor_scale.cpu()
+    return parts
 
 
 def _copy_other_files(src: Path, dst: Path, qconfig: Dict[str, Any]) -> List[str]:
@@ -450,13 +546,16 @@ def _quantized_tensor(name: str, parts: Dict[str, torch.Tensor], shape, qconfig:
     if method == FP8_METHOD:
         fmts = {v: k for k, v in FP8_DTYPES.items()}
         scales = parts["weight_scale_inv"]
-        if weight.dtype not in fmts or scales.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{name}: a quant_method='fp8' weight is float8_e4m3fn/float8_e5m2 with a floating "
-                             f"weight_scale_inv; got {weight.dtype} and {scales.dtype}")
+        if weight.dtype not in fmts or scales.dtype not in (*FP8_SCALE_DTYPES, *E8M0_SCALE_DTYPES):
+            raise ValueError(f"{name}: a quant_method='fp8' weight is float8_e4m3fn/float8_e5m2 with a float32/bfloat16/"
+                             f"float16 or E8M0 (float8_e8m0fnu, uint8) weight_scale_inv; got {weight.dtype} and "
+                             f"{scales.dtype}")
         br, bc = qconfig["weight_block_size"]
-        qt = QuantizedTensor(codes=weight.view(torch.uint8), scales=scales.to(torch.float32),  # exact widening
+        e8m0 = scales.dtype in E8M0_SCALE_DTYPES  # 2^(byte - 127), as DeepSeek-V3.1-style ue8m0 releases store them
+        qt = QuantizedTensor(codes=weight.view(torch.uint8),
+                             scales=scales.view(torch.uint8) if e8m0 else scales.to(torch.float32),  # exact widening
                              shape=torch.Size(shape), dtype=dtype, fmt=fmts[weight.dtype], group_size=bc,
-                             block=(br, bc))
+                             block=(br, bc), scale_format="e8m0" if e8m0 else "fp32")
     else:
         block = qconfig.get("weight_block_size")
         scales = parts["weight_scale"]
@@ -524,25 +623,29 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
     dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
         "torch.", ""))
     model = _meta_model(hf_config, model_class)
-    linears, prefix = _linear_modules(model), getattr(model, "base_model_prefix", "")
+    linears, keys = _linear_modules(model), CheckpointKeys(model)
     files = _shard_files(path)
     headers = _tensor_headers(files)
     code_dtypes = ("F8_E4M3", "F8_E5M2") if qconfig["quant_method"] == FP8_METHOD else ("U8",)
     quantized = {name for key in headers for suffix in SCALE_SUFFIXES
-                 if (name := _module_name(key, suffix, linears, prefix)) is not None}
-    quantized |= {name for key, dtype_name in headers.items() if dtype_name in code_dtypes
-                  and (name := _module_name(key, ".weight", linears, prefix)) is not None}
+                 if (name := keys.module(key, suffix, linears)) is not None}
+    quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in code_dtypes
+                  and (name := keys.module(key, ".weight", linears)) is not None}
     parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
+    expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
+    fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
     state = {}
     for key, tensor in _iter_tensors(files):
-        for suffix in (".weight", *SCALE_SUFFIXES):
-            name = _module_name(key, suffix, linears, prefix)
-            if name in quantized:
-                parts[name][suffix[1:]] = tensor
-                break
+        kind, where, part_name = _place(key, quantized, linears, keys)
+        if kind == "linear":
+            parts[where][part_name] = tensor
+        elif kind == "expert":
+            expert_parts.setdefault(where.target, {}).setdefault((where.expert, where.part), {})[part_name] = tensor
+        elif kind == "stack":
+            fused.setdefault(where, {})[part_name] = tensor
         else:
             state[key] = tensor
-    biases = {_module_name(key, ".bias", linears, prefix): key for key in state}
+    biases = {keys.module(key, ".bias", linears): key for key in state}
     transposed = set(own.get("transposed", ()))
     for name, tensors in parts.items():
         module = model.get_submodule(name)
@@ -559,21 +662,102 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
             raise ValueError(f"{name}.bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
         parent, child = _parent(model, name)
         setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
-    _assign_rest(model, state, prefix)
+    for target, by_part in expert_parts.items():
+        _load_expert_parts(model, keys, target, by_part, qconfig, dtype, state, backend, compute_dtype)
+    for target, tensors in fused.items():
+        _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
+    _assign_rest(model, state, keys)
     return model.eval()
 
 
-def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], prefix: str) -> None:
+#: The tensors of a stored expert stack ``<p>`` ``(E, ...)``: suffix -> the part name of one weight.
+STACK_SUFFIXES = {"_scale_inv": "weight_scale_inv", "_scale_2": "weight_scale_2", "_scale": "weight_scale", "": "weight"}
+
+
+def _place(key: str, quantized, linears, keys: CheckpointKeys):
+    """Where checkpoint tensor ``key`` goes: ``("linear", module, part)`` for a part of a quantized
+    linear weight, ``("expert", ExpertPart, part)`` for a per-expert matrix or its scales,
+    ``("stack", parameter, part)`` for a stored expert stack, ``(None, None, None)`` for the rest
+    (``part``: ``weight``, ``weight_scale_inv``, ``weight_scale`` or ``weight_scale_2``)."""
+    for suffix in (".weight", *SCALE_SUFFIXES):
+        if not key.endswith(suffix):
+            continue
+        name = keys.module(key, suffix, linears)
+        if name in quantized:
+            return "linear", name, suffix[1:]
+        part = keys.part(key[:-len(suffix)] + ".weight")
+        if part is not None:
+            return "expert", part, suffix[1:]
+    for suffix, part_name in STACK_SUFFIXES.items():
+        target = keys.fused(key[:len(key) - len(suffix)]) if key.endswith(suffix) else None
+        if target is not None:
+            return "stack", target, part_name
+    return None, None, None
+
+
+def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfig, dtype, state, backend,
+                       compute_dtype) -> None:
+    """Install the expert parameter ``target`` from its per-expert matrices (``by_part[(e, part)]`` =
+    ``{"weight": ..., "weight_scale_inv": ...}``): quantized ones become the module's quantized experts,
+    full-precision ones (kept by the writer) are stacked into ``state`` for the plain parameter."""
+    module_name, pname = keys.params[target]
+    module = model.get_submodule(module_name)
+    n_experts, out_features, in_features = module._parameters[pname].shape
+    n_parts = 1 + max(p for _, p in by_part)
+    missing = [f"expert {e} part {p}" for e in range(n_experts) for p in range(n_parts) if (e, p) not in by_part]
+    extra = sorted(key for key in by_part if key[0] >= n_experts)
+    if missing or extra:
+        raise ValueError(f"{target}: the checkpoint's per-expert matrices do not fill the ({n_experts}, {out_features}, "
+                         f"{in_features}) parameter; missing: {missing}, beyond the {n_experts} experts: {extra}")
+    is_quantized = {p: len(t) > 1 or t["weight"].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                    for p, t in by_part.items()}
+    if not any(is_quantized.values()):
+        state[target] = torch.stack([torch.cat([by_part[(e, p)]["weight"] for p in range(n_parts)])
+                                     for e in range(n_experts)])
+        return
+    if not all(is_quantized.values()):
+        raise ValueError(f"{target}: some expert matrices are quantized and some are not; ds_fpquant loads an expert "
+                         f"parameter whole, quantized or not")
+    qts = []
+    for e in range(n_experts):
+        pieces = [_quantized_tensor(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
+                                    (by_part[(e, p)]["weight"].shape[0], in_features), qconfig, dtype)
+                  for p in range(n_parts)]
+        try:
+            qts.append(join_rows(pieces))
+        except ValueError as exc:
+            raise ValueError(f"{target}[expert {e}]: {exc}") from None
+    if tuple(qts[0].shape) != (out_features, in_features):
+        raise ValueError(f"{target}: the expert matrices join to {tuple(qts[0].shape)}; the model needs "
+                         f"({out_features}, {in_features})")
+    install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+
+
+def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconfig, dtype, state, backend,
+                        compute_dtype) -> None:
+    """Install the expert parameter ``target`` from a stored stack (``<target>`` ``(E, ...)`` plus
+    ``<target>_scale_inv`` / ``_scale`` / ``_scale_2``, transformers' fused FP8 layout)."""
+    module_name, pname = keys.params[target]
+    module = model.get_submodule(module_name)
+    shape = tuple(module._parameters[pname].shape)
+    if set(tensors) == {"weight"} and tensors["weight"].dtype in (torch.float32, torch.float16, torch.bfloat16):
+        state[target] = tensors["weight"]
+        return
+    if any(t.shape[:1] != shape[:1] for t in tensors.values()):
+        raise ValueError(f"{target}: a stored expert stack has {shape[0]} experts in its first dimension; got "
+                         f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
+    qts = [_quantized_tensor(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], qconfig, dtype)
+           for e in range(shape[0])]
+    install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+
+
+def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: CheckpointKeys) -> None:
     """Assign the unquantized tensors, tie weights, and initialise what no file holds (non-persistent
     buffers such as position ids) the way transformers' ``from_pretrained`` does: every loaded tensor
     and every module without such a buffer is flagged ``_is_hf_initialized``, and
     ``model.initialize_weights()`` runs the model's ``_init_weights`` on the rest."""
     expected = set(model.state_dict())
-    renamed = {}
-    for key, tensor in state.items():
-        candidates = (key, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else None,
-                      f"{prefix}.{key}" if prefix else None)
-        renamed[next((c for c in candidates if c in expected), key)] = tensor
+    renamed = {keys.resolve(key, expected) or key: tensor for key, tensor in state.items()}
     try:
         result = model.load_state_dict(renamed, strict=False, assign=True)
     except RuntimeError as exc:  # shapes that do not fit the model
@@ -608,7 +792,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="ds-fpquant quantize",
-        description="Quantize the linear weights of a Hugging Face model directory (safetensors) into an FP8/FP6/FP4 "
+        description="Quantize the linear and mixture-of-experts weights of a Hugging Face model directory (safetensors) into an FP8/FP6/FP4 "
                     "checkpoint: block-FP8 (quant_method 'fp8', what vLLM and SGLang load) for e4m3/e5m2, the "
                     "ds_fpquant layout otherwise (docs/checkpoints.md). Load it back with ds_fpquant.load_quantized.")
     parser.add_argument("src", help="model directory with config.json and .safetensors weights")
@@ -626,6 +810,10 @@ def main(argv=None) -> int:
                              "(embeddings and output heads are always kept)")
     parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "torch"],
                         help="auto: the compiled op, else the torch reference; cuda quantizes on the GPU")
+    parser.add_argument("--allow-partial-blocks", action="store_true",
+                        help="block-FP8 layout: also write the weights transformers' FP8 loader misreads or refuses (a "
+                             "side that is not a multiple of its block and longer than one; GPT-2 Conv1D weights), "
+                             "which are otherwise kept in full precision and listed; ds_fpquant's own loader reads them")
     parser.add_argument("--max-shard-size", type=int, default=DEFAULT_MAX_SHARD_BYTES // 2**20, metavar="MIB",
                         help="largest output shard in MiB (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -633,21 +821,27 @@ def main(argv=None) -> int:
     if args.max_shard_size < 1:
         parser.error(f"--max-shard-size must be >= 1, got {args.max_shard_size}")
     try:
-        summary = quantize_checkpoint(args.src, args.dst, args.fmt, block=tuple(args.block) if args.block else None,
-                                      group_size=args.group_size, scale_format=args.scale_format,
-                                      exclude=args.exclude, backend=args.backend,
-                                      max_shard_bytes=args.max_shard_size * 2**20, progress=not args.no_progress)
+        with warnings.catch_warnings():  # the command prints the kept weights itself
+            warnings.simplefilter("ignore", PartialBlocksWarning)
+            summary = quantize_checkpoint(args.src, args.dst, args.fmt, block=tuple(args.block) if args.block else None,
+                                          group_size=args.group_size, scale_format=args.scale_format,
+                                          exclude=args.exclude, backend=args.backend,
+                                          allow_partial_blocks=args.allow_partial_blocks,
+                                          max_shard_bytes=args.max_shard_size * 2**20, progress=not args.no_progress)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     qc = summary["quantization_config"]
     scaling_text = (f"blocks {qc['weight_block_size'][0]}x{qc['weight_block_size'][1]}" if qc.get("weight_block_size")
                     else f"groups of {qc.get('group_size')}")
-    print(f"{args.dst}: {summary['quantized']} linear weights quantized to {args.fmt} ({scaling_text}, "
+    print(f"{args.dst}: {summary['quantized']} linear and expert weights quantized to {args.fmt} ({scaling_text}, "
           f"quant_method {qc['quant_method']!r}), {summary['copied']} tensors copied unchanged; weights "
           f"{summary['bytes_before'] / 2**20:.2f} MiB -> {summary['bytes_after'] / 2**20:.2f} MiB; "
           f"{len(summary['shards'])} shard(s)")
     if qc["modules_to_not_convert"]:
         print(f"kept unquantized: {', '.join(qc['modules_to_not_convert'])}")
+    if summary["kept_partial"]:
+        print(f"(of these, kept because transformers' FP8 loader would misread them; --allow-partial-blocks writes "
+              f"them: {', '.join(summary['kept_partial'])})")
     for name in summary["skipped_files"]:
         print(f"not copied (weights in another format): {name}")
     return 0

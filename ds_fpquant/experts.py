@@ -16,7 +16,8 @@ dequantized stack).
 from __future__ import annotations
 
 import types
-from typing import Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +26,8 @@ from .api import QuantizedTensor, dequantize, quantize
 from .linear import ACTIVATIONS, DequantizingTensor, QuantizedWeight, check_w8a8_weight
 from .module import COMPUTE_DTYPES
 
-__all__ = ["QuantizedExperts", "expert_parameter_names", "quantize_experts_in_place"]
+__all__ = ["QuantizedExperts", "expert_parameter_names", "install_quantized_experts", "join_rows",
+           "quantize_experts_in_place", "split_rows"]
 
 def expert_parameter_names(module: torch.nn.Module) -> List[str]:
     """The 3-D floating-point parameters of a transformers experts module (class name ending in ``Experts``)."""
@@ -102,11 +104,39 @@ def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4
         checks.check_choice("activation", activation, ACTIVATIONS)
     experts = [quantize(weight[e].detach(), fmt, group_size, backend=backend, **quantize_kwargs)
                for e in range(weight.shape[0])]
+    before = weight.numel() * weight.element_size()
+    install_quantized_experts(module, name, experts, compute_dtype=compute_dtype, backend=backend,
+                              activation=activation)
+    return before, sum(qt.nbytes for qt in experts)
+
+
+def _layout(qt: QuantizedTensor) -> tuple:
+    """What must agree between the experts of one stack."""
+    return (qt.shape, tuple(qt.scales.shape), qt.scales.dtype, qt.codes.shape, qt.fmt, qt.group_size, qt.block,
+            qt.scale_format, qt.tensor_scale is None)
+
+
+def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[QuantizedTensor], *,
+                              compute_dtype: Optional[str] = None, backend: str = "auto",
+                              activation: Optional[str] = None) -> None:
+    """Make ``module.<name>`` (a 3-D expert parameter, or its place on the meta device) the quantized
+    experts ``experts`` (one :class:`QuantizedTensor` per expert, all of one shape and layout): the
+    buffers described in the module docstring, and the hooks that present them to the forward.
+    Used by :func:`quantize_experts_in_place` and by :func:`ds_fpquant.load_quantized`, which passes the
+    codes and scales read from a checkpoint (no full-precision expert tensor is made).
+
+    Raises ``ValueError`` for experts of different shapes or layouts, or W8A8 (``activation``) settings
+    the weights do not allow, before ``module`` is changed.
+    """
     if activation is not None:
+        checks.check_choice("activation", activation, ACTIVATIONS)
         check_w8a8_weight(experts[0])
     first = experts[0]
-    before = weight.numel() * weight.element_size()
-    del module._parameters[name]
+    odd = [e for e, qt in enumerate(experts) if _layout(qt) != _layout(first)]
+    if odd:
+        raise ValueError(f"{type(module).__name__}.{name}: every expert must have the shape and layout of expert 0 "
+                         f"({_layout(first)}); experts {odd} differ")
+    module._parameters.pop(name, None)
     module.register_buffer(f"{name}_codes", torch.stack([qt.codes for qt in experts]))
     module.register_buffer(f"{name}_scales", torch.stack([qt.scales.contiguous().view(torch.uint8) for qt in experts]))
     if first.tensor_scale is not None:
@@ -127,7 +157,6 @@ def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4
         eager = getattr(type(module).forward, "__wrapped__", None)
         if eager is not None and "forward" not in module.__dict__:
             module.forward = types.MethodType(eager, module)
-    return before, sum(qt.nbytes for qt in experts)
 
 
 def _materialize(module, args):
@@ -141,3 +170,58 @@ def _materialize(module, args):
 def _release(module, args, output):
     for name in module._fpq_experts:
         setattr(module, name, None)
+
+
+# ---- an expert's matrix and the checkpoint matrices it is made of (gate over up) ----------------------
+
+
+def split_rows(qt: QuantizedTensor, rows: Sequence[int]) -> List[QuantizedTensor]:
+    """``qt`` (2-D, row groups or 2-D blocks) cut into consecutive row ranges of ``rows`` rows, each a
+    :class:`QuantizedTensor` of its own with the same codes and scales (nothing is requantized).
+
+    Raises ``ValueError`` when a cut falls inside a block of rows (the block's one scale would belong
+    to two matrices).
+    """
+    block_rows = qt.block[0] if qt.block else 1
+    if sum(rows) != qt.shape[0] or any(n % block_rows for n in rows[:-1]):
+        raise ValueError(f"rows {list(rows)} do not cut a {tuple(qt.shape)} matrix with blocks of {block_rows} rows "
+                         f"on block boundaries")
+    out, start = [], 0
+    for n in rows:
+        s0, s1 = start // block_rows, -(-(start + n) // block_rows)
+        out.append(replace(qt, codes=qt.codes[start:start + n], scales=qt.scales[s0:s1],
+                           shape=torch.Size((n, qt.shape[1])),  # NVFP4: each part carries the shared tensor scale
+                           tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone()))
+        start += n
+    return out
+
+
+def _column_layout(qt: QuantizedTensor) -> tuple:
+    """What must agree between matrices stacked along rows."""
+    return (qt.shape[1], qt.fmt, qt.group_size, qt.scale_format, qt.dtype, qt.grouping, qt.block[1] if qt.block else None)
+
+
+def join_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """The matrix of ``parts`` stacked along rows (gate over up), as one :class:`QuantizedTensor` holding
+    the same codes and scale values: where a part's rows end inside a block of rows, the block scales are
+    repeated per row (blocks ``(1, Bc)``), which dequantizes to the same values. NVFP4 parts must share
+    their tensor scale.
+
+    Raises ``ValueError`` for parts of different column counts or layouts.
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(_column_layout(qt) != _column_layout(first) for qt in parts):
+        raise ValueError(f"expert parts to join differ in layout: {[_column_layout(qt) for qt in parts]}")
+    if first.tensor_scale is not None and any(not torch.equal(qt.tensor_scale, first.tensor_scale) for qt in parts):
+        raise ValueError("NVFP4 expert parts to join have different tensor scales (weight_scale_2); ds_fpquant "
+                         "joins parts quantized together, with one tensor scale")
+    block = first.block
+    if block is not None and (any(qt.block != block for qt in parts)
+                              or any(qt.shape[0] % block[0] for qt in parts[:-1])):
+        block = (1, block[1])  # scales per row: a part ends inside a block of rows
+    scales = [qt.scales if block == qt.block else qt.scales.repeat_interleave(qt.block[0], dim=0)[:qt.shape[0]]
+              for qt in parts]
+    return replace(first, codes=torch.cat([qt.codes for qt in parts]), scales=torch.cat(scales), block=block,
+                   shape=torch.Size((sum(qt.shape[0] for qt in parts), first.shape[1])))

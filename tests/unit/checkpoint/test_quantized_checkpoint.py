@@ -42,11 +42,13 @@ def gpt2_dir(tmp_path_factory):
     return path, model
 
 
+#: GPT-2's Conv1D weights in the block-FP8 layout: only with allow_partial_blocks (transformers refuses them)
+CONV1D = {"allow_partial_blocks": True}
 #: (fmt, quantize_checkpoint kwargs, the equivalent fp_quantization section for apply(), layout)
 CASES = [
-    ("e4m3", {}, {"block": [128, 128]}, "fp8"),
-    ("e5m2", {"group_size": 32}, {"group_size": 32}, "fp8"),  # row groups written as [1, 32] blocks
-    ("e4m3", {"block": (32, 64)}, {"block": [32, 64]}, "fp8"),
+    ("e4m3", CONV1D, {"block": [128, 128]}, "fp8"),
+    ("e5m2", {"group_size": 32, **CONV1D}, {"group_size": 32}, "fp8"),  # row groups written as [1, 32] blocks
+    ("e4m3", {"block": (32, 64), **CONV1D}, {"block": [32, 64]}, "fp8"),
     ("e2m1", {}, {"block": [128, 128]}, "ds_fpquant"),
     ("e3m2", {"group_size": 32}, {"group_size": 32}, "ds_fpquant"),
     ("e4m3", {"scale_format": "e8m0", "group_size": 32}, {"group_size": 32, "scale_format": "e8m0"}, "ds_fpquant"),
@@ -138,7 +140,7 @@ def test_sharded_output_and_index(gpt2_dir, tmp_path, monkeypatch):
 
 def test_exclude_keeps_modules_unquantized(gpt2_dir, tmp_path):
     src, _ = gpt2_dir
-    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", exclude=["attn"], progress=False)
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", exclude=["attn"], progress=False, **CONV1D)
     qc = summary["quantization_config"]
     assert summary["quantized"] == 4 and sorted(qc["modules_to_not_convert"]) == sorted(
         ["lm_head"] + [f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj")])
@@ -192,7 +194,7 @@ def test_cli(gpt2_dir, tmp_path):
                           str(tmp_path / "q"), "--fmt", "e2m3", "--group-size", "32", "--no-progress"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert "4 linear weights quantized to e2m3 (groups of 32, quant_method 'ds_fpquant')" in out.stdout
+    assert "4 linear and expert weights quantized to e2m3 (groups of 32, quant_method 'ds_fpquant')" in out.stdout
     assert "not copied (weights in another format): onnx/model.onnx" in out.stdout
     out = subprocess.run([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(tmp_path / "q")],
                          capture_output=True, text=True, timeout=600)
@@ -287,7 +289,7 @@ def test_failure_midway_leaves_nothing(gpt2_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "quantize", failing_quantize)
     with pytest.raises(RuntimeError, match="disk full"):
-        checkpoint.quantize_checkpoint(src, tmp_path / "q", max_shard_bytes=5_000, progress=False)
+        checkpoint.quantize_checkpoint(src, tmp_path / "q", max_shard_bytes=5_000, progress=False, **CONV1D)
     assert not (tmp_path / "q").exists()
 
 
@@ -335,7 +337,7 @@ def _edit(directory, **changes):
 ])
 def test_tampered_checkpoints(gpt2_dir, tmp_path, fmt, changes, message):
     src, _ = gpt2_dir
-    checkpoint.quantize_checkpoint(src, tmp_path / "q", fmt, progress=False)
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", fmt, progress=False, **CONV1D)
     _edit(tmp_path / "q", **changes)
     with pytest.raises(ValueError, match=message):
         fpq.load_quantized(tmp_path / "q")

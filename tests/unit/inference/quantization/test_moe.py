@@ -10,29 +10,9 @@ import torch
 import ds_fpquant as fpq
 from ds_fpquant import integration
 from ds_fpquant.experts import QuantizedExperts, expert_parameter_names
+from unit.moe_models import tiny_moe as _tiny
 
-transformers = pytest.importorskip("transformers")
-
-
-def _tiny(kind: str):
-    common = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64)
-    if kind == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
-        model_class = transformers.MixtralForCausalLM
-    elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                                             num_experts_per_tok=2, shared_expert_intermediate_size=64,
-                                             decoder_sparse_step=1, **common)
-        model_class = transformers.Qwen2MoeForCausalLM
-    else:
-        config = transformers.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
-                                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                               n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-                                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
-        model_class = transformers.DeepseekV3ForCausalLM
-    torch.manual_seed(0)
-    return model_class(config).eval()
+pytest.importorskip("transformers")
 
 
 def _dequantized_reference(model, section):

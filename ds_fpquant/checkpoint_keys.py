@@ -1,0 +1,148 @@
+"""Checkpoint keys -> the model's names: which file tensor is which module's weight, and which holds
+which expert's matrix.
+
+A checkpoint may name a tensor differently from the model built from it: with or without the base-model
+prefix (``bert.``, ``model.``), under the names the model was released with (Mixtral's
+``block_sparse_moe`` is ``mlp`` in transformers 5), and, for mixture-of-experts layers, one matrix per
+expert where the model has one 3-D parameter. transformers 5 holds a MoE layer's experts as 3-D parameters ``(E, out, in)`` (``experts.gate_up_proj``,
+``experts.down_proj``); checkpoints keep one 2-D matrix per expert and projection, under the keys the
+model was released with: ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` (DeepSeek-V3,
+Qwen-MoE) or ``block_sparse_moe.experts.{e}.w1.weight`` / ``w3`` / ``w2`` (Mixtral). transformers' own
+conversion mapping (``transformers.conversion_mapping``) says how the keys become the parameter:
+``MergeModulelist(dim=0)`` stacks the experts and ``Concatenate(dim=1)`` joins gate and up along ``out``.
+:class:`CheckpointKeys` reads that mapping, so every model transformers can load is covered, and inverts only
+those two operations; a checkpoint whose experts use other operations is not treated as experts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .experts import expert_parameter_names
+
+__all__ = ["CheckpointKeys", "ExpertPart", "expert_parameters"]
+
+
+def expert_parameters(model: torch.nn.Module) -> Dict[str, Tuple[str, str]]:
+    """Full name (``model.layers.1.mlp.experts.gate_up_proj``) -> (module name, parameter name) of every
+    3-D expert parameter of ``model`` (see :func:`ds_fpquant.experts.expert_parameter_names`)."""
+    return {f"{name}.{pname}" if name else pname: (name, pname)
+            for name, module in model.named_modules() for pname in expert_parameter_names(module)}
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """Where a checkpoint matrix goes: rows of expert ``expert`` of the 3-D parameter ``target``, as
+    part ``part`` of ``parts`` concatenated along ``out`` (gate is 0 and up is 1 of 2; down is 0 of 1)."""
+
+    target: str
+    expert: int
+    part: int
+    parts: int
+
+
+def _op_signature(converter) -> Optional[Tuple[str, ...]]:
+    ops = tuple(f"{type(op).__name__}({getattr(op, 'dim', None)})" for op in getattr(converter, "operations", ()))
+    return ops if ops in (("MergeModulelist(0)",), ("MergeModulelist(0)", "Concatenate(1)")) else None
+
+
+class CheckpointKeys:
+    """Maps checkpoint keys onto the names of ``model``: modules, expert parameters and their parts.
+
+    Args:
+        model: the transformers model (the meta-device one is enough); its conversion mapping is read
+            with ``transformers.conversion_mapping.get_model_conversion_mapping``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = expert_parameters(model)
+        self.prefix = getattr(model, "base_model_prefix", "")
+        self.renamings: List = []
+        self.converters: List = []
+        if not hasattr(model, "config"):
+            return
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        for transform in get_model_conversion_mapping(model, add_legacy=False):
+            if isinstance(transform, WeightRenaming):
+                self.renamings.append(transform)
+            elif isinstance(transform, WeightConverter) and _op_signature(transform) is not None:
+                self.converters.append(transform)
+
+    def rename(self, key: str) -> str:
+        """``key`` with transformers' renamings for this model applied (``block_sparse_moe`` -> ``mlp``)."""
+        if not self.renamings:
+            return key
+        from transformers.core_model_loading import apply_renamings
+
+        return apply_renamings(key, self.renamings)
+
+    def resolve(self, name: str, names) -> Optional[str]:
+        """Checkpoint name ``name`` as a member of ``names`` (the model's module or tensor names), allowing
+        the base-model prefix on either side and the renamings; ``None`` if it is not one."""
+        p = self.prefix
+        for base in dict.fromkeys((name, self.rename(name))):
+            for candidate in (base, base[len(p) + 1:] if p and base.startswith(p + ".") else None,
+                              f"{p}.{base}" if p else None):
+                if candidate is not None and candidate in names:
+                    return candidate
+        return None
+
+    def module(self, key: str, suffix: str, modules: Dict[str, Any]) -> Optional[str]:
+        """The member of ``modules`` whose tensor ``<module><suffix>`` checkpoint ``key`` is, else ``None``."""
+        return self.resolve(key[:-len(suffix)], modules) if key.endswith(suffix) else None
+
+    def fused(self, key: str) -> Optional[str]:
+        """The expert parameter stored whole (3-D) under checkpoint ``key``, else ``None``."""
+        return self.resolve(key, self.params) if self.params else None
+
+    def part(self, weight_key: str) -> Optional[ExpertPart]:
+        """The :class:`ExpertPart` of a per-expert checkpoint matrix ``weight_key`` (ending in ``.weight``),
+        or ``None`` when it is no expert's."""
+        if not self.converters or not self.params:
+            return None
+        renamed = self.rename(weight_key)
+        for converter in self.converters:
+            target, pattern = converter.rename_source_key(renamed)
+            if pattern is None:
+                continue
+            target = self.resolve(target, self.params)
+            expert = re.search(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)") + "$", renamed)
+            if target is None or expert is None:
+                return None
+            return ExpertPart(target, int(expert.group(1)), converter.source_patterns.index(pattern),
+                              len(converter.source_patterns))
+        return None
+
+    def unfuse(self, key: str, shape: Tuple[int, ...]) -> Optional[Dict[str, Tuple[ExpertPart, int]]]:
+        """For an expert stack stored whole under ``key`` (``shape`` ``(E, out, in)``): the per-expert keys
+        the model is released with (transformers' reverse conversion, as ``save_pretrained`` writes
+        them), each with its :class:`ExpertPart` and row count; ``None`` when the model has no such
+        mapping (the stack is then stored as it is)."""
+        target = self.fused(key)
+        if target is None or not self.converters:
+            return None
+        from transformers.core_model_loading import revert_weight_conversion
+
+        try:
+            split = revert_weight_conversion(self.model, {key: torch.empty(shape, device="meta")})
+        except (ValueError, RuntimeError, KeyError):
+            return None
+        out = {}
+        for name, tensor in split.items():
+            part = self.part(name)
+            if part is None or part.target != target or tensor.dim() != 2 or tensor.shape[1] != shape[2]:
+                return None
+            out[name] = (part, tensor.shape[0])
+        covered = {(p.expert, p.part) for p, _ in out.values()}
+        parts = next(iter(out.values()))[0].parts if out else 0
+        if covered != {(e, i) for e in range(shape[0]) for i in range(parts)} or \
+                sum(rows for p, rows in out.values() if p.expert == 0) != shape[1]:
+            return None
+        return out
