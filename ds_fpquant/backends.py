@@ -51,29 +51,19 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
 
 
 def _announce_build(builder) -> None:
-    """One stderr line when the op is about to be JIT-built: not prebuilt, and not in torch's cache or
-    cached from other sources (another checkout or venv: torch then rebuilds it over that one)."""
+    """One stderr line when the op is about to be JIT-built: not prebuilt, and not yet built from
+    these sources (the build folder is named after their hash, ``builder.build_name()``)."""
     import importlib.util
     import os
     import sys
-
-    from torch.utils.cpp_extension import _get_build_directory
 
     try:
         prebuilt = importlib.util.find_spec(builder.absolute_name()) is not None
     except ModuleNotFoundError:
         prebuilt = False
-    build_dir = _get_build_directory(builder.name, verbose=False)
-    cached = os.path.exists(os.path.join(build_dir, f"{builder.name}.so"))
-    if cached:
-        try:
-            with open(os.path.join(build_dir, "build.ninja")) as fh:
-                ninja = fh.read()
-            cached = all(source in ninja for source in builder.sources())
-        except OSError:
-            cached = False
-    if not prebuilt and not cached:
-        print(f"ds_fpquant: building the {builder.name} op (first use from these sources; cached in {build_dir})...",
+    build_dir = builder.build_directory()
+    if not prebuilt and not os.path.exists(os.path.join(build_dir, f"{builder.build_name()}.so")):
+        print(f"ds_fpquant: building the {builder.NAME} op (first use from these sources; cached in {build_dir})...",
               file=sys.stderr, flush=True)
 
 

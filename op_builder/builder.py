@@ -8,14 +8,20 @@ Sources and include paths resolve from the installed package: ``op_builder/`` is
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List
 
 #: Root of the C++/CUDA sources.
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+#: The builders' own code (it defines the flags), hashed into the build folder's name with the sources.
+BUILDERS = Path(__file__).resolve().parent
+#: Environment variables that change what a build produces.
+BUILD_ENV = ("CXX", "CC", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME")
 #: Flags that would let the compiler change fp32 results (SPEC 3.1: no fast-math, no FTZ).
 FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "-ffast-math", "-Ofast")
 
@@ -55,27 +61,54 @@ class ProjectOpMixin:
         """Module name of the prebuilt op (``DS_BUILD_*=1 pip install``)."""
         return f"ds_fpquant.ops.{self.NAME}_op"
 
+    def build_name(self) -> str:
+        """The JIT build's module and folder name: ``NAME`` plus a hash of everything the build depends
+        on (every file under ``csrc/``, the builders' code, the compiler flags, the torch, CUDA and Python
+        versions, the build environment variables). Each source tree and torch gets its own folder in
+        torch's extension cache, so any number of checkouts and venvs coexist and none rebuilds over
+        another; identical trees share one build."""
+        import torch
+
+        digest = hashlib.sha256()
+        for root in (CSRC, BUILDERS):
+            for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+                digest.update(f"{path.relative_to(root.parent)}\0".encode())
+                digest.update(path.read_bytes())
+        facts = [type(self).__name__, torch.__version__, str(torch.version.cuda), sys.version.split()[0],
+                 *self.cxx_args(), *self.extra_ldflags(), *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
+        digest.update("\0".join(facts).encode())
+        return f"{self.NAME}_{digest.hexdigest()[:16]}"
+
+    def build_directory(self) -> str:
+        """The folder of the JIT build (created if missing), in torch's extension cache."""
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return _get_build_directory(self.build_name(), verbose=False)
+
     def jit_load(self, verbose=True):
-        """DeepSpeed's ``jit_load`` under an OS-level lock on the build folder.
+        """DeepSpeed's ``jit_load`` of the sources under :meth:`build_name`, under an OS-level lock on
+        the build folder.
 
         torch serialises builds with a lock *file* that a killed build leaves behind, after which
         every later load waits forever. This ``flock`` is released by the OS when its holder dies, so
         whoever holds it knows that any torch lock file left is stale and removes it. Concurrent
         processes build once; the others wait here, then load the built module.
         """
-        from torch.utils.cpp_extension import _get_build_directory
-
+        name, self.name = self.name, self.build_name()
         try:
-            import fcntl
-        except ImportError:  # not POSIX: torch's own lock only
-            return super().jit_load(verbose)
-        build_dir = _get_build_directory(self.name, verbose=False)
-        with open(os.path.join(build_dir, "ds_fpquant.flock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            stale = os.path.join(build_dir, "lock")
-            if os.path.exists(stale):
-                os.remove(stale)
-            return super().jit_load(verbose)
+            try:
+                import fcntl
+            except ImportError:  # not POSIX: torch's own lock only
+                return super().jit_load(verbose)
+            build_dir = self.build_directory()
+            with open(os.path.join(build_dir, "ds_fpquant.flock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                stale = os.path.join(build_dir, "lock")
+                if os.path.exists(stale):
+                    os.remove(stale)
+                return super().jit_load(verbose)
+        finally:
+            self.name = name
 
     def load(self, verbose: bool = False):
         if self.name in ProjectOpMixin._modules:

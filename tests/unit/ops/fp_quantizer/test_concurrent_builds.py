@@ -30,16 +30,25 @@ def test_concurrent_jit_builds(tmp_path, processes):
     assert len(files) == 1, files  # one module, built once
     announced = sum("building the ds_fpquant_cpu op" in err for _, err in outs)
     assert announced >= 1
+    # a later process loads the cached build: no announcement, the module file untouched
+    (module,) = files
+    mtime = os.stat(module).st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", LOAD], env=_env(tmp_path), capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == module and "building the" not in again.stderr
+    assert os.stat(module).st_mtime_ns == mtime
 
 
 def test_killed_build_is_recovered(tmp_path):
     build = subprocess.Popen([sys.executable, "-c", LOAD], env=_env(tmp_path), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lock = tmp_path / "ds_fpquant_cpu" / "lock"
     deadline = time.time() + 300
-    while not lock.exists() and time.time() < deadline and build.poll() is None:
+    while not (locks := list(tmp_path.glob("ds_fpquant_cpu_*/lock"))) and time.time() < deadline \
+            and build.poll() is None:
         time.sleep(0.2)
-    assert lock.exists(), "the build never took torch's lock"
+    assert locks, "the build never took torch's lock"
+    (lock,) = locks
     time.sleep(2)  # let the compiler start
     os.killpg(build.pid, signal.SIGKILL)
     build.wait()

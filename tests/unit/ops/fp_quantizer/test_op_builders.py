@@ -3,6 +3,7 @@ disassembled without a GPU (standalone nvcc, and through the builder in a CUDA t
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,30 @@ def test_cpu_builder_sources_from_package():
     assert "-ffp-contract=off" in b.cxx_args() and b.cxx_args()[-1] != "-fno-fast-math"
     stems = [Path(p).stem for p in FPQuantizerBuilder().sources()]
     assert len(stems) == len(set(stems)), "each source file needs a unique stem"
+
+
+def test_build_folder_is_named_after_the_sources(tmp_path, monkeypatch):
+    """Issue 16: each source tree (and torch, flags, environment) builds into its own folder of torch's
+    extension cache, so two checkouts or venvs never rebuild over each other; identical trees share."""
+    from ds_fpquant.op_builder import builder
+
+    cpu, cuda = FPQuantizerCPUBuilder(), FPQuantizerBuilder()
+    name = cpu.build_name()
+    assert re.fullmatch(r"ds_fpquant_cpu_[0-9a-f]{16}", name) and FPQuantizerCPUBuilder().build_name() == name
+    assert cuda.build_name().startswith("ds_fpquant_") and cuda.build_name() != name
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    monkeypatch.setattr(builder, "CSRC", copy)
+    assert cpu.build_name() == name  # the same sources elsewhere: the same build
+    header = copy / "fp_quantizer" / "includes" / "fp_codec.h"
+    header.write_text(header.read_text() + "\n// another checkout\n")
+    assert cpu.build_name() != name  # a changed header: its own folder
+    monkeypatch.setattr(builder, "CSRC", CSRC)
+    monkeypatch.setenv("CXX", "g++-13")
+    assert cpu.build_name() != name
+    monkeypatch.undo()
+    assert cpu.build_name() == name and cpu.name == "ds_fpquant_cpu"
+    assert Path(cpu.build_directory()).name == name
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the reason given by a CPU-only torch")
