@@ -6,11 +6,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .config import FPQuantizationConfig, load_config, split_config
+from .config import SECTION, FPQuantizationConfig, _read, load_config
 from .experts import expert_parameter_names, quantize_experts_in_place
 from .module import FPQuantizedLinear, is_weight_quantized, quantize_weight_in_place
 
-__all__ = ["apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed"]
+__all__ = ["apply", "init_inference", "is_quantized_model", "patch_deepspeed", "unpatch_deepspeed"]
 
 
 def is_conv1d(module: torch.nn.Module) -> bool:
@@ -116,26 +116,85 @@ def _tp_size(rest: Dict[str, Any], kwargs: Dict[str, Any]) -> int:
     return int(kwargs.get("mp_size", rest.get("mp_size", size)) or 1)
 
 
+def is_quantized_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds ds_fpquant-quantized weights (linears, AutoTP shards or expert stacks)."""
+    return any(isinstance(m, FPQuantizedLinear) or is_weight_quantized(m) or getattr(m, "_fpq_experts", None)
+               for m in model.modules())
+
+
+KERNEL_INJECT_ERROR = ("replace_with_kernel_inject=True cannot run ds_fpquant's quantized weights: DeepSpeed's fused "
+                       "inference kernels take the full-precision nn.Linear weights they replace. Use "
+                       "replace_with_kernel_inject=False (the default; the quantized layers run ds_fpquant's fused "
+                       "linear, with AutoTP through tensor_parallel.tp_size), or leave out the fp_quantization section "
+                       "(and a model quantized by apply / load_quantized) to use kernel injection unquantized")
+
+
+def _check_kernel_inject(model: torch.nn.Module, quantizing: bool, rest: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
+    inject = kwargs.get("replace_with_kernel_inject", rest.get("replace_with_kernel_inject", False))
+    if inject and (quantizing or is_quantized_model(model)):
+        raise ValueError(KERNEL_INJECT_ERROR)
+
+
+def _split(config, kwargs: Dict[str, Any]):
+    """(the ``fp_quantization`` section or ``None``, the other config keys, the other kwargs): the section may
+    come in ``config`` (dict or JSON path) or as the keyword ``fp_quantization=``, not differently in both."""
+    data = {} if config is None else dict(_read(config))
+    section = data.pop(SECTION, None)
+    kwargs = dict(kwargs)
+    if SECTION in kwargs:
+        given = kwargs.pop(SECTION)
+        if section is not None and section != given:
+            raise ValueError(f"Conflicting argument {SECTION!r} in 'config': {section} and kwargs: {given}")
+        section = given
+    return section, data, kwargs
+
+
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
     """``deepspeed.init_inference`` with the ``fp_quantization`` section applied.
 
     ``config`` (dict or JSON path) holds both the ``fp_quantization`` section and ordinary
-    ``init_inference`` keys; ``kwargs`` go to ``deepspeed.init_inference`` as usual. With
+    ``init_inference`` keys (the section may also be passed as ``fp_quantization=``; without it the
+    defaults apply); ``kwargs`` go to ``deepspeed.init_inference`` as usual. With
     ``tensor_parallel.tp_size == 1`` the model is quantized first; with AutoTP (``tp_size > 1``) the
     engine shards the linears first and the transform is applied to ``engine.module`` after.
 
     Returns:
         the ``deepspeed.InferenceEngine``.
-    """
-    import deepspeed
 
-    fp_config, rest = split_config(config)
+    Raises:
+        ValueError: an invalid section, or ``replace_with_kernel_inject=True`` (DeepSpeed's fused kernels
+            need full-precision weights), before the model is changed.
+    """
+    section, rest, kwargs = _split(config, kwargs)
+    fp_config = load_config({SECTION: section or {}})
+    _check_kernel_inject(model, fp_config.enabled, rest, kwargs)
+    deepspeed_init_inference = _original_init_inference()
     if _tp_size(rest, kwargs) <= 1:
         apply(model, fp_config)
-        return deepspeed.init_inference(model, config=rest, **kwargs)
-    engine = deepspeed.init_inference(model, config=rest, **kwargs)
+        return deepspeed_init_inference(model, config=rest, **kwargs)
+    engine = deepspeed_init_inference(model, config=rest, **kwargs)
     apply(engine.module, fp_config)
     return engine
+
+
+def _original_init_inference():
+    import deepspeed
+
+    if _PATCHED is not None:
+        return _PATCHED[(deepspeed, "init_inference")]
+    return deepspeed.init_inference
+
+
+def _deepspeed_init_inference(model: torch.nn.Module, config=None, **kwargs):
+    """``deepspeed.init_inference`` after :func:`patch_deepspeed`: a config (dict or JSON path) or keyword
+    with an ``fp_quantization`` section goes through :func:`init_inference`; anything else to DeepSpeed's
+    own function unchanged (a quantized model with ``replace_with_kernel_inject=True`` gets the clear
+    error instead of an AttributeError from inside DeepSpeed)."""
+    section, rest, other = _split(config, kwargs)
+    if section is not None:
+        return init_inference(model, config, **kwargs)
+    _check_kernel_inject(model, False, rest, other)
+    return _original_init_inference()(model, config, **kwargs)
 
 
 _PATCHED: Optional[Dict[Any, Any]] = None
@@ -155,14 +214,19 @@ def _reduce_quantized_parameter(self, protocol):
 
 
 def patch_deepspeed() -> None:
-    """Make DeepSpeed's own ``FP_Quantize`` name resolve to :class:`ds_fpquant.FP_Quantize` (opt-in).
+    """Plug ds_fpquant into DeepSpeed's own names (opt-in; undo with :func:`unpatch_deepspeed`).
 
-    After this, ``deepspeed.linear.QuantizedParameter`` / ``QuantizedLinear`` / ``OptimizedLinear``
-    built without an explicit ``quantizer=`` use this project's quantizer (``copy.deepcopy`` of a
-    ``QuantizedParameter`` needs that: DeepSpeed rebuilds it with a default quantizer), and a
-    pickled ``QuantizedParameter`` unpickles as one. Undo with :func:`unpatch_deepspeed`.
+    - ``deepspeed.init_inference(model, config)`` accepts the ``fp_quantization`` section in its config
+      (dict or JSON path) or as ``fp_quantization=`` and applies it as :func:`init_inference` does
+      (tp 1 and AutoTP); without the section it is DeepSpeed's function unchanged.
+    - DeepSpeed's ``FP_Quantize`` resolves to :class:`ds_fpquant.FP_Quantize`:
+      ``deepspeed.linear.QuantizedParameter`` / ``QuantizedLinear`` / ``OptimizedLinear`` built without
+      an explicit ``quantizer=`` use this project's quantizer (``copy.deepcopy`` of a
+      ``QuantizedParameter`` needs that: DeepSpeed rebuilds it with a default quantizer), and a pickled
+      ``QuantizedParameter`` unpickles as one.
     """
     global _PATCHED
+    import deepspeed
     import deepspeed.linear.quantization as ds_linear_quant
     import deepspeed.ops.fp_quantizer as ds_fp
     import deepspeed.ops.fp_quantizer.quantize as ds_fp_quantize
@@ -173,10 +237,12 @@ def patch_deepspeed() -> None:
     if _PATCHED is None:
         _PATCHED = {(m, "FP_Quantize"): m.FP_Quantize for m in (ds_fp, ds_fp_quantize, ds_linear_quant)}
         _PATCHED[(qp, "__reduce_ex__")] = qp.__dict__.get("__reduce_ex__")
+        _PATCHED[(deepspeed, "init_inference")] = deepspeed.init_inference
     for module, attr in _PATCHED:
         if attr == "FP_Quantize":
             module.FP_Quantize = FP_Quantize
     qp.__reduce_ex__ = _reduce_quantized_parameter
+    deepspeed.init_inference = _deepspeed_init_inference
 
 
 def unpatch_deepspeed() -> None:

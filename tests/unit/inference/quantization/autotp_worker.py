@@ -1,5 +1,6 @@
-"""Run by test_autotp.py: ``ds_fpquant.init_inference`` with AutoTP (tp_size 2) on 2 gloo CPU
-processes. Each rank checks its quantized shards bit for bit and prints one JSON line of results."""
+"""Run by test_autotp.py: ``deepspeed.init_inference`` after ``ds_fpquant.patch_deepspeed()`` (which
+routes a config with the ``fp_quantization`` section through ``ds_fpquant.init_inference``) with AutoTP
+(tp_size 2) on 2 gloo CPU processes. Each rank checks its quantized shards bit for bit and prints one JSON line of results."""
 
 import json
 import os
@@ -35,7 +36,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     # the unquantized shards of this rank, for the bit-exact check below
     shards = {n: m.weight.detach().clone() for n, m in reference.module.named_modules()
               if type(m).__name__ in ("LinearLayer", "LinearAllreduce")}
-    engine = fpq.init_inference(_model(), {"fp_quantization": {"fmt": "e4m3", "group_size": 16}, **base})
+    fpq.patch_deepspeed()  # DeepSpeed's own init_inference then takes the section (issue 16)
+    engine = deepspeed.init_inference(_model(), config={"fp_quantization": {"fmt": "e4m3", "group_size": 16}, **base})
+    fpq.unpatch_deepspeed()
     layers = {n: m for n, m in engine.module.named_modules() if n in shards}
     exact = all(
         torch.equal(m.weight_codes, fpq.quantize(shards[n], "e4m3", 16, backend="torch").codes)

@@ -168,6 +168,50 @@ class TestInitInference:
         engine = fpq.init_inference(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e5m2"}}, dtype=torch.float32)
         assert engine.module.transformer.h[0].mlp.c_fc.fmt == "e5m2"
 
+    def test_deepspeed_init_inference_takes_the_section_after_patch(self, gpt2, tmp_path):
+        """Issue 16: one ds_config, DeepSpeed's own call. Without the patch DeepSpeed's error stands."""
+        import deepspeed
+        section = {"fmt": "e4m3", "group_size": 32}
+        with pytest.raises(ValueError, match=r"(?s)fp_quantization.*Extra inputs are not permitted"):
+            deepspeed.init_inference(copy.deepcopy(gpt2), config={"fp_quantization": section})
+        ids = torch.randint(0, 100, (1, 6))
+        expected = fpq.init_inference(copy.deepcopy(gpt2), {"fp_quantization": section, "dtype": torch.float32})(ids)
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps({"fp_quantization": section, "replace_with_kernel_inject": False}))
+        fpq.patch_deepspeed()
+        try:
+            for engine in (deepspeed.init_inference(copy.deepcopy(gpt2), config={"fp_quantization": section},
+                                                    dtype=torch.float32),
+                           deepspeed.init_inference(copy.deepcopy(gpt2), config=str(path), dtype=torch.float32),
+                           deepspeed.init_inference(copy.deepcopy(gpt2), fp_quantization=section, dtype=torch.float32)):
+                assert isinstance(engine, deepspeed.InferenceEngine)
+                assert isinstance(engine.module.transformer.h[1].mlp.c_proj, FPQuantizedLinear)
+                assert torch.equal(engine(ids).logits, expected.logits)
+            plain = deepspeed.init_inference(copy.deepcopy(gpt2), config={"dtype": torch.float32})
+            assert not any(isinstance(m, FPQuantizedLinear) for m in plain.module.modules())  # DeepSpeed's own
+            with pytest.raises(ValueError, match="Conflicting argument 'fp_quantization'"):
+                deepspeed.init_inference(copy.deepcopy(gpt2), config={"fp_quantization": section},
+                                         fp_quantization={"fmt": "e5m2"})
+        finally:
+            fpq.unpatch_deepspeed()
+        assert deepspeed.init_inference.__module__ == "deepspeed"
+
+    @pytest.mark.parametrize("patched", [False, True])
+    def test_kernel_injection_with_quantized_layers_is_refused_first(self, gpt2, patched):
+        import deepspeed
+        model = copy.deepcopy(gpt2)
+        with pytest.raises(ValueError, match="replace_with_kernel_inject=True cannot run ds_fpquant's quantized"):
+            fpq.init_inference(model, {"fp_quantization": {"fmt": "e4m3"}, "replace_with_kernel_inject": True})
+        assert not fpq.integration.is_quantized_model(model)  # refused before anything changed
+        quantized = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e4m3"}})
+        if patched:
+            fpq.patch_deepspeed()
+        try:
+            with pytest.raises(ValueError, match="use replace_with_kernel_inject=False|Use replace_with_kernel_inject"):
+                (deepspeed.init_inference if patched else fpq.init_inference)(quantized, replace_with_kernel_inject=True)
+        finally:
+            fpq.unpatch_deepspeed()
+
 
 def test_mx_preset_and_e8m0_in_config(gpt2):
     model = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "mxfp4", "modules": {
