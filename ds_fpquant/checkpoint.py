@@ -36,7 +36,7 @@ from .checkpoint_keys import CheckpointKeys, expert_parameters
 from .experts import install_quantized_experts, join_rows, split_rows
 from .formats import FORMATS, PRESETS
 
-__all__ = ["PartialBlocksWarning", "quantize_checkpoint", "load_quantized", "main"]
+__all__ = ["PartialBlocksWarning", "quantize_checkpoint", "load_quantized", "save_quantized", "main"]
 
 CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -319,7 +319,11 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     if unmatched:
         raise ValueError(f"exclude patterns {unmatched} match none of the {len(names)} linear modules and expert "
                          f"parameters (e.g. {', '.join(names[:3])}); nothing would be excluded by them")
-    stored = {name: key for key in headers if (name := keys.module(key, ".weight", linears)) is not None}
+    stored: Dict[str, str] = {}
+    for key in headers:
+        name = keys.module(key, ".weight", linears)
+        if name is not None and stored.setdefault(name, key) != key:
+            raise ValueError(f"{stored[name]} and {key} are both the weight of {name}")
     plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
     expert_plan = {key: part for key in headers if key not in plan and (part := keys.part(key)) is not None
                    and config.settings_for(part.target) is not None}
@@ -327,6 +331,11 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                   and config.settings_for(target) is not None}
     # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
     unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
+    keys.check_parts(expert_plan, {key: headers[key][1] for key in expert_plan})
+    bad_stacks = {key: headers[key][1] for key, target in fused_plan.items() if headers[key][1] != keys.shape(target)}
+    if bad_stacks:
+        raise ValueError(f"these expert stacks do not have the (experts, out, in) shape of the model's parameter: "
+                         f"{bad_stacks}")
     bad = {key: headers[key][0] for key in [*plan, *expert_plan, *fused_plan] if headers[key][0] not in QUANTIZABLE_DTYPES}
     if bad:
         raise ValueError(f"these linear weights cannot be quantized (dtypes {', '.join(QUANTIZABLE_DTYPES)} only): "
@@ -486,6 +495,158 @@ def _copy_other_files(src: Path, dst: Path, qconfig: Dict[str, Any]) -> List[str
     return skipped
 
 
+# ---- save_quantized -------------------------------------------------------------------------------
+
+
+def _quantized_parts(model: torch.nn.Module):
+    """(name -> (QuantizedTensor, bias)) of the FPQuantizedLinear layers and (``<module>.<param>`` ->
+    per-expert QuantizedTensors) of the quantized expert stacks of ``model``."""
+    from .experts import _expert_views
+    from .module import FPQuantizedLinear, is_weight_quantized
+
+    layers, stacks = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, FPQuantizedLinear):
+            layers[name] = (module.quantized_weight, module.bias)
+        elif is_weight_quantized(module):
+            raise ValueError(f"{name} is a tensor-parallel shard quantized in place (AutoTP): save the tp=1 model, "
+                             f"or quantize the original checkpoint with `ds-fpquant quantize`")
+        for pname, meta in getattr(module, "_fpq_experts", {}).items():
+            stacks[f"{name}.{pname}" if name else pname] = _expert_views(module, pname, meta)
+    return layers, stacks
+
+
+def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                   allow_partial_blocks: bool = True) -> Dict[str, Any]:
+    """Write a quantized transformers model (from :func:`ds_fpquant.apply`, ``init_inference``'s
+    ``engine.module`` at tp=1, or :func:`load_quantized`) as the checkpoint :func:`quantize_checkpoint`
+    would write for it: codes and scales as they are (nothing is quantized again), expert stacks under
+    the per-expert keys the model is released with, ``config.json`` with ``quantization_config``.
+    ``model.save_pretrained(directory)`` of a quantized model calls this.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` with quantized layers, all with one format and scaling
+            (``fmt``, ``group_size`` / ``block``, ``scale_format``: a checkpoint describes one).
+        directory: output directory; must not exist or be empty.
+        max_shard_bytes: the largest output shard.
+        allow_partial_blocks: block-FP8 layout: weights transformers' FP8 loader would misread (see
+            :func:`quantize_checkpoint`) cannot be kept in full precision here (the model no longer holds
+            it); ``True`` (default) writes them with a :class:`PartialBlocksWarning`, ``False`` raises.
+
+    Returns:
+        the summary :func:`quantize_checkpoint` returns (``bytes_before`` is the full-precision size).
+
+    Raises:
+        TypeError, ValueError: not a transformers model, no quantized layers, layers with different
+            settings, AutoTP shards, a non-empty ``directory``, partial blocks with
+            ``allow_partial_blocks=False``; nothing is written then.
+    """
+    from . import checks
+
+    config = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(config, "to_dict"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"directory={str(directory)!r} exists and is not an empty directory; choose a new one")
+    max_shard_bytes = checks.check_int("max_shard_bytes", max_shard_bytes, 1)
+    allow_partial_blocks = checks.check_flag("allow_partial_blocks", allow_partial_blocks)
+    layers, stacks = _quantized_parts(model)
+    if not layers and not stacks:
+        raise ValueError(f"{type(model).__name__} holds no ds_fpquant-quantized layers; save it with save_pretrained")
+    qts = {**{name: qt for name, (qt, _) in layers.items()}, **{name: qts[0] for name, qts in stacks.items()}}
+    settings = {name: (qt.fmt, qt.group_size, qt.block, qt.scale_format, qt.grouping) for name, qt in qts.items()}
+    first = next(iter(settings.values()))
+    differ = {name: s for name, s in settings.items() if s != first}
+    if differ:
+        raise ValueError(f"a checkpoint holds one format and scaling; these layers differ from "
+                         f"{next(iter(settings))} {first} (fmt, group_size, block, scale_format, grouping): {differ}")
+    fmt, group_size, block, scale_format, _ = first
+    method = FP8_METHOD if fmt in FP8_DTYPES and scale_format == "fp32" else OWN_METHOD
+    block_size = list(block) if block else ([1, group_size] if method == FP8_METHOD else None)
+    meta = _meta_model(config.__class__.from_dict(config.to_dict()), type(model))
+    linears, keys = _linear_modules(meta), CheckpointKeys(meta)
+    partial = [n for n, qt in qts.items() if method == FP8_METHOD and (linears.get(n) or not _whole_blocks(qt.shape, block_size))]
+    if partial and not allow_partial_blocks:
+        raise ValueError(f"these quantized weights would be misread by transformers' FP8 loader (blocks cut by the "
+                         f"matrix edge, or Conv1D): {partial}; pass allow_partial_blocks=True to write them anyway")
+    if partial:
+        warnings.warn(f"written although transformers' FP8 loader would misread or refuse them: {', '.join(partial)}",
+                      PartialBlocksWarning, stacklevel=2)
+    owned = tuple(f"{name}." for name in layers) + tuple(f"{name}_" for name in stacks)
+
+    def expert_rows(names, e: int):
+        """(part, checkpoint key, rows) of expert ``e``'s matrices, gate before up."""
+        return sorted((part.part, key, rows) for key, (part, rows) in names.items() if part.expert == e)
+
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        writer, seen, copied = _ShardWriter(directory, max_shard_bytes), set(), 0
+        bytes_before = bytes_after = 0
+        for key, tensor in model.state_dict().items():
+            if key.startswith(owned) or key.endswith("._extra_state"):
+                continue
+            if tensor.numel() and tensor.data_ptr() in seen:  # a tied weight: the loader ties it again
+                continue
+            seen.add(tensor.data_ptr())
+            writer.add(key, tensor.detach().cpu())
+            copied += 1
+        for name, (qt, bias) in layers.items():
+            for part_name, part in _layout_tensors(qt, method, fmt).items():
+                writer.add(f"{name}.{part_name}", part)
+            if bias is not None:
+                writer.add(f"{name}.bias", bias.detach().cpu())
+            bytes_before += math.prod(qt.shape) * qt.dtype.itemsize
+            bytes_after += qt.nbytes
+        for name, experts in stacks.items():
+            shape = (len(experts), *experts[0].shape)
+            names = keys.unfuse(name, shape)
+            block_rows = block_size[0] if block_size else 1
+            if names and all(rows % block_rows == 0 for _, _, rows in expert_rows(names, 0)[:-1]):
+                for e, qt in enumerate(experts):
+                    parts = expert_rows(names, e)
+                    for (_, key, _), piece in zip(parts, split_rows(qt, [rows for _, _, rows in parts])):
+                        for part_name, part in _layout_tensors(piece, method, fmt).items():
+                            writer.add(f"{key[:-len('.weight')]}.{part_name}", part)
+            else:  # no per-expert keys for this model, or a block of rows spans gate and up: stored as a stack
+                stacked = [_layout_tensors(qt, method, fmt) for qt in experts]
+                for part_name in stacked[0]:
+                    writer.add(name + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
+            bytes_before += math.prod(shape) * experts[0].dtype.itemsize
+            bytes_after += sum(qt.nbytes for qt in experts)
+        shards = writer.close()
+        qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
+        if method == FP8_METHOD:
+            qconfig.update(activation_scheme="dynamic", weight_block_size=block_size)
+        else:
+            qconfig.update(fmt=fmt, group_size=group_size, weight_block_size=block_size, scale_format=scale_format,
+                           codes="uint8, SPEC 6 row packing")
+        not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
+        dtype = str(next(iter(qts.values())).dtype).replace("torch.", "")
+        qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
+                       ds_fpquant={"version": __version__, "transposed": [n for n in layers if linears.get(n)],
+                                   "weight_dtype": dtype})
+        config.save_pretrained(directory)
+        data = json.loads((directory / CONFIG).read_text())
+        data["quantization_config"] = qconfig
+        (directory / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+    except BaseException:  # leave no half-written checkpoint behind
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            for child in directory.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+        raise
+    return {"quantized": len(qts), "copied": copied, "bytes_before": bytes_before, "bytes_after": bytes_after,
+            "shards": shards, "skipped_files": [], "kept_partial": [], "quantization_config": qconfig}
+
+
 # ---- load_quantized -------------------------------------------------------------------------------
 
 
@@ -559,6 +720,8 @@ def _quantized_tensor(name: str, parts: Dict[str, torch.Tensor], shape, qconfig:
     else:
         block = qconfig.get("weight_block_size")
         scales = parts["weight_scale"]
+        if weight.dtype != torch.uint8:
+            raise ValueError(f"{name}.weight: a 'ds_fpquant' weight is uint8 packed codes, got {weight.dtype}")
         if qconfig["fmt"] == "nvfp4" and scales.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}.weight_scale: NVFP4 group scales are float8_e4m3fn, got {scales.dtype}")
         qt = QuantizedTensor(codes=weight, scales=scales.view(torch.uint8) if qconfig["fmt"] == "nvfp4" else scales,
@@ -635,8 +798,13 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
     expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
     fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
     state = {}
+    placed: Dict[Tuple, str] = {}  # where each tensor went -> its key: two keys for one place are an error
     for key, tensor in _iter_tensors(files):
         kind, where, part_name = _place(key, quantized, linears, keys)
+        slot = (kind, where, part_name) if kind else None
+        if slot is not None and placed.setdefault(slot, key) != key:
+            raise ValueError(f"{placed[slot]} and {key} are both {part_name} of {getattr(where, 'target', where)}"
+                             f"{f' expert {where.expert} part {where.part}' if kind == 'expert' else ''}")
         if kind == "linear":
             parts[where][part_name] = tensor
         elif kind == "expert":
@@ -645,6 +813,9 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
             fused.setdefault(where, {})[part_name] = tensor
         else:
             state[key] = tensor
+    twice = sorted(set(expert_parts) & set(fused))
+    if twice:
+        raise ValueError(f"these expert parameters are stored both per expert and as a stack: {twice}")
     biases = {keys.module(key, ".bias", linears): key for key in state}
     transposed = set(own.get("transposed", ()))
     for name, tensors in parts.items():
@@ -709,6 +880,9 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfi
     if missing or extra:
         raise ValueError(f"{target}: the checkpoint's per-expert matrices do not fill the ({n_experts}, {out_features}, "
                          f"{in_features}) parameter; missing: {missing}, beyond the {n_experts} experts: {extra}")
+    no_weight = [f"expert {e} part {p}" for (e, p), t in sorted(by_part.items()) if "weight" not in t]
+    if no_weight:
+        raise ValueError(f"{target}: the checkpoint has scales but no weight for {no_weight}")
     is_quantized = {p: len(t) > 1 or t["weight"].dtype not in (torch.float32, torch.float16, torch.bfloat16)
                     for p, t in by_part.items()}
     if not any(is_quantized.values()):
@@ -730,7 +904,14 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfi
     if tuple(qts[0].shape) != (out_features, in_features):
         raise ValueError(f"{target}: the expert matrices join to {tuple(qts[0].shape)}; the model needs "
                          f"({out_features}, {in_features})")
-    install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+    _install(module, pname, target, qts, backend, compute_dtype)
+
+
+def _install(module, pname: str, target: str, qts, backend, compute_dtype) -> None:
+    try:
+        install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+    except ValueError as exc:
+        raise ValueError(f"{target}: {exc}") from None
 
 
 def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconfig, dtype, state, backend,
@@ -748,7 +929,7 @@ def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconf
                          f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
     qts = [_quantized_tensor(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], qconfig, dtype)
            for e in range(shape[0])]
-    install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+    _install(module, pname, target, qts, backend, compute_dtype)
 
 
 def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: CheckpointKeys) -> None:
@@ -757,7 +938,12 @@ def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: C
     and every module without such a buffer is flagged ``_is_hf_initialized``, and
     ``model.initialize_weights()`` runs the model's ``_init_weights`` on the rest."""
     expected = set(model.state_dict())
-    renamed = {keys.resolve(key, expected) or key: tensor for key, tensor in state.items()}
+    renamed, sources = {}, {}
+    for key, tensor in state.items():
+        name = keys.resolve(key, expected) or key
+        if sources.setdefault(name, key) != key:
+            raise ValueError(f"{sources[name]} and {key} are both {name}")
+        renamed[name] = tensor
     try:
         result = model.load_state_dict(renamed, strict=False, assign=True)
     except RuntimeError as exc:  # shapes that do not fit the model

@@ -98,6 +98,39 @@ class CheckpointKeys:
         """The member of ``modules`` whose tensor ``<module><suffix>`` checkpoint ``key`` is, else ``None``."""
         return self.resolve(key[:-len(suffix)], modules) if key.endswith(suffix) else None
 
+    def shape(self, target: str) -> Tuple[int, ...]:
+        """The ``(E, out, in)`` shape of expert parameter ``target`` in the model."""
+        module, pname = self.params[target]
+        return tuple(self.model.get_submodule(module)._parameters[pname].shape)
+
+    def check_parts(self, parts: Dict[str, ExpertPart], shapes: Dict[str, Tuple[int, ...]]) -> None:
+        """Raise ``ValueError`` unless the checkpoint matrices ``parts`` (key -> :class:`ExpertPart`, with
+        their ``shapes``) fill each expert parameter exactly: 2-D, one matrix per expert and part, every
+        expert and part there, rows adding up to ``out`` and ``in`` columns."""
+        slots: Dict[str, Dict[Tuple[int, int], str]] = {}
+        for key, part in parts.items():
+            if len(shapes[key]) != 2:
+                raise ValueError(f"{key}: an expert's matrix is 2-D, got shape {tuple(shapes[key])}")
+            taken = slots.setdefault(part.target, {})
+            other = taken.setdefault((part.expert, part.part), key)
+            if other != key:
+                raise ValueError(f"{other} and {key} are both part {part.part} of expert {part.expert} of "
+                                 f"{part.target}")
+        for target, taken in slots.items():
+            n_experts, out_features, in_features = self.shape(target)
+            n_parts = parts[next(iter(taken.values()))].parts
+            missing = [f"expert {e} part {p}" for e in range(n_experts) for p in range(n_parts) if (e, p) not in taken]
+            extra = [taken[slot] for slot in sorted(taken) if slot[0] >= n_experts]
+            if missing or extra:
+                raise ValueError(f"{target} ({n_experts}, {out_features}, {in_features}): the checkpoint's per-expert "
+                                 f"matrices do not fill it; missing: {missing}, beyond its {n_experts} experts: {extra}")
+            for e in range(n_experts):
+                matrices = [taken[(e, p)] for p in range(n_parts)]
+                rows = sum(shapes[k][0] for k in matrices)
+                if rows != out_features or any(shapes[k][1] != in_features for k in matrices):
+                    raise ValueError(f"{target}: expert {e}'s matrices {[(k, tuple(shapes[k])) for k in matrices]} do "
+                                     f"not make the ({out_features}, {in_features}) matrix the model needs")
+
     def fused(self, key: str) -> Optional[str]:
         """The expert parameter stored whole (3-D) under checkpoint ``key``, else ``None``."""
         return self.resolve(key, self.params) if self.params else None

@@ -112,8 +112,8 @@ def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4
 
 def _layout(qt: QuantizedTensor) -> tuple:
     """What must agree between the experts of one stack."""
-    return (qt.shape, tuple(qt.scales.shape), qt.scales.dtype, qt.codes.shape, qt.fmt, qt.group_size, qt.block,
-            qt.scale_format, qt.tensor_scale is None)
+    return (qt.shape, tuple(qt.scales.shape), qt.scales.dtype, qt.codes.shape, qt.codes.dtype, qt.fmt, qt.group_size,
+            qt.block, qt.scale_format, qt.tensor_scale is None)
 
 
 def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[QuantizedTensor], *,
@@ -198,7 +198,8 @@ def split_rows(qt: QuantizedTensor, rows: Sequence[int]) -> List[QuantizedTensor
 
 def _column_layout(qt: QuantizedTensor) -> tuple:
     """What must agree between matrices stacked along rows."""
-    return (qt.shape[1], qt.fmt, qt.group_size, qt.scale_format, qt.dtype, qt.grouping, qt.block[1] if qt.block else None)
+    return (qt.shape[1], qt.codes.dtype, qt.scales.dtype, qt.fmt, qt.group_size, qt.scale_format, qt.dtype, qt.grouping,
+            qt.block[1] if qt.block else None)
 
 
 def join_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:

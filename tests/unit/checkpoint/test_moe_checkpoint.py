@@ -261,3 +261,64 @@ def test_hand_written_deepseek_v3_checkpoint(moe_dirs, tmp_path, scale_dtype):
         assert torch.equal(w, state[key]), key
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, expected(IDS).logits)
+
+
+P = "model.layers.1.mlp.experts"
+
+
+def _rewrite(directory, edit):
+    tensors = _tensors(directory)
+    edit(tensors)
+    for path in directory.glob("*.safetensors"):
+        path.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _zero_copy(t, old, new):
+    for k in [k for k in t if old in k]:
+        t[k.replace(old, new)] = torch.zeros_like(t[k]) if k.endswith(".weight") else t[k].clone()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop(f"{P}.1.up_proj.weight"), r"gate_up_proj: the checkpoint has scales but no weight for \['expert 1 part 1'\]"),
+    (lambda t: t.pop(f"{P}.1.down_proj.weight_scale"), r"down_proj\[expert 1, part 0\].*missing"),
+    (lambda t: t.__setitem__(f"{P}.1.down_proj.weight", t[f"{P}.1.down_proj.weight"].view(torch.int8)),
+     "a 'ds_fpquant' weight is uint8 packed codes, got torch.int8"),
+    (lambda t: _zero_copy(t, ".experts.1.", ".experts.01."), "experts.01.down_proj.weight and .*experts.1.down_proj.weight are both"),
+    (lambda t: _zero_copy(t, "model.layers.1.", "layers.1."), "are both weight of"),
+    (lambda t: t.__setitem__(f"{P}.gate_up_proj", torch.zeros(4, 64, 64)), "stored both per expert and as a stack"),
+    (lambda t: [t.pop(k) for k in list(t) if f"{P}.3." in k], r"missing: \['expert 3 part 0'\]"),
+    (lambda t: t.__setitem__(f"{P}.1.up_proj.weight_scale_2", t[f"{P}.1.up_proj.weight_scale_2"] * 2),
+     "different tensor scales"),
+], ids=["no-weight", "no-scale", "int8-codes", "duplicate-01", "duplicate-unprefixed", "stack-and-parts",
+        "expert-missing", "nvfp4-tensor-scales-differ"])
+def test_tampered_moe_checkpoints_are_refused(moe_dirs, tmp_path, edit, message):
+    src, _ = moe_dirs["qwen2_moe"]
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", "nvfp4", progress=False)
+    _rewrite(tmp_path / "q", edit)
+    with pytest.raises(ValueError, match=message):
+        fpq.load_quantized(tmp_path / "q")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop(f"{P}.1.down_proj.weight"), r"missing: \['expert 1 part 0'\]"),
+    (lambda t: [t.__setitem__(k.replace(".0.", ".4."), t[k].clone()) for k in list(t) if f"{P}.0." in k],
+     r"beyond its 4 experts: \['model.layers.1.mlp.experts.4"),
+    (lambda t: t.__setitem__(f"{P}.1.gate_proj.weight", t[f"{P}.1.gate_proj.weight"][:24].clone()),
+     "expert 1's matrices .* do not make the"),
+    (lambda t: t.__setitem__(f"{P}.1.gate_proj.weight", t[f"{P}.1.gate_proj.weight"][None].clone()),
+     r"experts.1.gate_proj.weight: an expert's matrix is 2-D"),
+    (lambda t: _zero_copy(t, ".experts.1.", ".experts.01."), "are both part 0 of expert 1"),
+    (lambda t: t.pop(f"{P}.2.up_proj.weight"), "lack some of their matrices|missing"),
+], ids=["down-missing", "extra-expert", "short-gate", "3-d", "duplicate", "up-missing"])
+def test_broken_moe_sources_are_refused_before_writing(moe_dirs, tmp_path, edit, message):
+    src, _ = moe_dirs["qwen2_moe"]
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "config.json").write_text((src / "config.json").read_text())
+    save_file(_tensors(src), str(broken / "model.safetensors"), metadata={"format": "pt"})
+    _rewrite(broken, edit)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.quantize_checkpoint(broken, tmp_path / "q", "e4m3", block=(8, 32), progress=False)
+    assert not (tmp_path / "q").exists()
