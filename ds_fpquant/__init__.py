@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 __all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "FORMATS", "PRESETS", "FPFormat",
            "get_format", "apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed", "FPQuantizationConfig",
-           "FPQuantizedLinear", "quantize_checkpoint", "load_quantized", "__version__"]
+           "FPQuantizedLinear", "quantize_checkpoint", "load_quantized", "save_quantized", "__version__"]
 
 # These need DeepSpeed (FP_Quantize subclasses its Quantizer; the config is a DeepSpeed config
 # model); DeepSpeed is imported only when one of them is asked for.
@@ -25,6 +25,7 @@ _LAZY = {
     "FPQuantizedLinear": "module",
     "quantize_checkpoint": "checkpoint",
     "load_quantized": "checkpoint",
+    "save_quantized": "checkpoint",
 }
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import types
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -631,6 +632,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
                                    "weight_dtype": dtype})
         config.save_pretrained(directory)
         data = json.loads((directory / CONFIG).read_text())
+        data["architectures"] = [type(model).__name__]  # as save_pretrained writes it: the class to build
         data["quantization_config"] = qconfig
         (directory / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
         generation = getattr(model, "generation_config", None)
@@ -645,6 +647,29 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         raise
     return {"quantized": len(qts), "copied": copied, "bytes_before": bytes_before, "bytes_after": bytes_after,
             "shards": shards, "skipped_files": [], "kept_partial": [], "quantization_config": qconfig}
+
+
+def _save_pretrained(self, save_directory, is_main_process: bool = True, max_shard_size="50GB",
+                     safe_serialization: bool = True, **kwargs):
+    """``save_pretrained`` of a quantized model: :func:`save_quantized` (installed on the model by
+    :func:`ds_fpquant.apply` and :func:`load_quantized`). Arguments it cannot honour are refused by name."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    refused = {k: v for k, v in kwargs.items() if v not in (None, False)}
+    if refused or safe_serialization is not True:
+        raise ValueError(f"save_pretrained of a ds_fpquant-quantized model writes its codes and scales with "
+                         f"ds_fpquant.save_quantized(model, directory) (safetensors, max_shard_size, "
+                         f"is_main_process); it cannot honour {refused or {'safe_serialization': safe_serialization}}. "
+                         f"Or quantize the original checkpoint with `ds-fpquant quantize SRC DST`")
+    if is_main_process:
+        save_quantized(self, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size))
+
+
+def enable_save_pretrained(model: torch.nn.Module) -> None:
+    """Make ``model.save_pretrained`` (a transformers model's) write the quantized checkpoint
+    (:func:`save_quantized`) instead of failing on the quantized layers."""
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(getattr(model, "config", None), "to_dict"):
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
 
 
 # ---- load_quantized -------------------------------------------------------------------------------
@@ -838,6 +863,7 @@ def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dty
     for target, tensors in fused.items():
         _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
     _assign_rest(model, state, keys)
+    enable_save_pretrained(model)
     return model.eval()
 
 

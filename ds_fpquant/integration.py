@@ -103,6 +103,9 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
         before, after, replaced = before + b, after + a, replaced + 1
     targets += experts
     if replaced:
+        from .checkpoint import enable_save_pretrained
+
+        enable_save_pretrained(model)  # save_pretrained writes the quantized checkpoint (save_quantized)
         logger.info(f"ds_fpquant: quantized {replaced} of {len(targets)} linear weights and expert stacks ({config.fmt}, "
                     f"G={config._settings(None)['group_size']}); weights {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")
     else:

@@ -322,3 +322,44 @@ def test_broken_moe_sources_are_refused_before_writing(moe_dirs, tmp_path, edit,
     with pytest.raises(ValueError, match=message):
         checkpoint.quantize_checkpoint(broken, tmp_path / "q", "e4m3", block=(8, 32), progress=False)
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("kind,section", [("mixtral", {"fmt": "e4m3", "block": [8, 32]}), ("qwen2_moe", {"fmt": "nvfp4"}),
+                                          ("deepseek_v3", {"fmt": "e2m1", "group_size": 16})])
+def test_save_pretrained_of_a_quantized_model(moe_dirs, tmp_path, kind, section):
+    """Issue 16: ``save_pretrained`` of a model from apply writes the checkpoint quantize_checkpoint would
+    (save_quantized: codes and scales as held, per-expert keys), which load_quantized reads back bit-identical;
+    saving the loaded model again gives the same files."""
+    src, model = moe_dirs[kind]
+    quantized = fpq.apply(copy.deepcopy(model), {"fp_quantization": section})
+    quantized.save_pretrained(tmp_path / "saved")
+    loaded = fpq.load_quantized(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, quantized(IDS).logits)
+    files = _tensors(tmp_path / "saved")
+    assert f"{EXPERT_KEYS[kind][0]}.weight" in files
+    checkpoint.quantize_checkpoint(src, tmp_path / "cli", section["fmt"], block=section.get("block"),
+                                   group_size=section.get("group_size"), progress=False)
+    cli = _tensors(tmp_path / "cli")
+    for key in [k for k in cli if ".experts." in k]:  # the experts exactly as the command writes them
+        assert torch.equal(files[key].reshape(-1).view(torch.uint8), cli[key].reshape(-1).view(torch.uint8)), key
+    loaded.save_pretrained(tmp_path / "again")
+    again = _tensors(tmp_path / "again")
+    assert again.keys() == files.keys()
+    assert all(torch.equal(again[k].reshape(-1).view(torch.uint8), files[k].reshape(-1).view(torch.uint8)) for k in files)
+    with pytest.raises(ValueError, match="cannot honour {'push_to_hub': True}.*ds-fpquant quantize"):
+        loaded.save_pretrained(tmp_path / "hub", push_to_hub=True)
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        loaded.save_pretrained(tmp_path / "again")
+
+
+def test_save_quantized_refuses_what_one_checkpoint_cannot_hold(moe_dirs, tmp_path):
+    _, model = moe_dirs["qwen2_moe"]
+    mixed = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e4m3", "modules": {"experts": {"fmt": "e2m1"}}}})
+    with pytest.raises(ValueError, match="a checkpoint holds one format and scaling"):
+        checkpoint.save_quantized(mixed, tmp_path / "q")
+    with pytest.raises(ValueError, match="holds no ds_fpquant-quantized layers"):
+        checkpoint.save_quantized(copy.deepcopy(model), tmp_path / "q")
+    with pytest.raises(TypeError, match="must be a transformers PreTrainedModel"):
+        checkpoint.save_quantized(torch.nn.Linear(2, 2), tmp_path / "q")
+    assert not (tmp_path / "q").exists()

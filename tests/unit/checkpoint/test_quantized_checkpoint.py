@@ -361,3 +361,21 @@ def test_bad_quantization_config(gpt2_dir, tmp_path, field, value, message):
         fpq.load_quantized(tmp_path / "q")
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         fpq.load_quantized(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("fmt,section", [("e2m1", {"group_size": 16}), ("e4m3", {"block": [32, 32]})])
+def test_save_pretrained_of_an_applied_gpt2(gpt2_dir, tmp_path, fmt, section):
+    """Issue 16: save_pretrained of a quantized model writes what load_quantized reads (Conv1D weights listed
+    as transposed, the tied head left out and tied again); block-FP8 Conv1D weights come with the warning."""
+    _, model = gpt2_dir
+    quantized = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": fmt, **section}})
+    if fmt == "e4m3":
+        with pytest.warns(checkpoint.PartialBlocksWarning, match="Conv1D|transformer.h.0.attn.c_attn"):
+            quantized.save_pretrained(tmp_path / "saved")
+    else:
+        quantized.save_pretrained(tmp_path / "saved")
+    loaded = fpq.load_quantized(tmp_path / "saved")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, quantized(ids).logits)
