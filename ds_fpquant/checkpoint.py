@@ -294,11 +294,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     from .api import BACKENDS
 
     src = _model_dir(src, "src")
-    if not isinstance(dst, (str, os.PathLike)):
-        raise TypeError(f"dst must be a str or os.PathLike directory, got {type(dst).__name__}")
-    dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"dst={str(dst)!r} exists and is not an empty directory; choose a new one")
+    dst = _new_output_dir(dst, "dst")
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ValueError(f"dst={str(dst)!r} must be outside src={str(src)!r}")
     max_shard_bytes = checks.check_int("max_shard_bytes", max_shard_bytes, 1)
@@ -404,9 +400,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                     written += expert_matrices(fused_plan[key], [name for _, name, _ in names], pieces)
             elif key in fused_plan:  # a stored stack of a model without per-expert keys: each expert on its own
                 qts = [quantize_matrix(tensor[e], fused_plan[key]) for e in range(tensor.shape[0])]
-                stacked = [_layout_tensors(qt, method, fmt) for qt in qts]
-                for part_name in stacked[0]:
-                    writer.add(key + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
+                _write_stack(writer, key, qts, method)
                 written = []
                 bytes_after += sum(qt.nbytes for qt in qts)
             elif key in expert_plan:  # one expert's gate, up or down, written when all its parts are read
@@ -422,8 +416,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                 writer.add(key, tensor)
                 continue
             for base, qt in written:
-                for part_name, part_tensor in _layout_tensors(qt, method, fmt).items():
-                    writer.add(f"{base}.{part_name}", part_tensor)
+                _write_quantized(writer, base, qt, method)
                 bytes_after += qt.nbytes
             sources = tensors if key in expert_plan else (tensor,)
             dtypes[str(tensor.dtype).replace("torch.", "")] += len(sources)
@@ -432,26 +425,61 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
             raise ValueError(f"src={str(src)!r}: these experts lack some of their matrices (gate / up): "
                              f"{sorted(f'{target}[{e}]' for target, e in pending)}")
         shards = writer.close()
-        qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
-        if method == FP8_METHOD:
-            qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
-        else:
-            qconfig.update(layout, codes="uint8, SPEC 6 row packing")
         quantized = [*plan, *expert_plan, *fused_plan]
-        qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
-                       ds_fpquant={"version": __version__, "transposed": [n for n in plan.values() if linears[n]],
-                                   "weight_dtype": dtypes.most_common(1)[0][0] if dtypes else "float32"})
+        qconfig = _quantization_config(method, layout, not_converted, [n for n in plan.values() if linears[n]],
+                                       dtypes.most_common(1)[0][0] if dtypes else "float32")
         skipped = _copy_other_files(src, dst, qconfig)
-    except BaseException:  # leave no half-written checkpoint behind
-        if created:
-            shutil.rmtree(dst, ignore_errors=True)
-        else:
-            for child in dst.iterdir():
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+    except BaseException:
+        _clear_output(dst, created)
         raise
     return {"quantized": len(quantized), "copied": len(headers) - len(quantized), "bytes_before": bytes_before,
             "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "kept_partial": kept_partial,
             "quantization_config": qconfig}
+
+
+def _new_output_dir(path, name: str) -> Path:
+    """``path`` as an output directory that is new or empty (``TypeError`` / ``ValueError``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike directory, got {type(path).__name__}")
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{name}={str(path)!r} exists and is not an empty directory; choose a new one")
+    return path
+
+
+def _clear_output(directory: Path, created: bool) -> None:
+    """Leave no half-written checkpoint behind: remove what was written (and the folder if it was made)."""
+    if created:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for child in directory.iterdir():
+        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+
+
+def _quantization_config(method: str, layout: Dict[str, Any], not_converted: List[str], transposed: List[str],
+                         weight_dtype: str) -> Dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for a checkpoint in ``method``'s layout."""
+    qconfig: Dict[str, Any] = {"quant_method": method, "fmt": layout["fmt"]}
+    if method == FP8_METHOD:
+        qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
+    else:
+        qconfig.update(layout, codes="uint8, SPEC 6 row packing")
+    qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
+                   ds_fpquant={"version": __version__, "transposed": transposed, "weight_dtype": weight_dtype})
+    return qconfig
+
+
+def _write_quantized(writer: "_ShardWriter", base: str, qt, method: str) -> None:
+    """Add the tensors of ``qt`` as ``<base>.weight``, ``<base>.weight_scale_inv`` / ``.weight_scale`` / ... ."""
+    for part_name, part in _layout_tensors(qt, method).items():
+        writer.add(f"{base}.{part_name}", part)
+
+
+def _write_stack(writer: "_ShardWriter", key: str, qts, method: str) -> None:
+    """Add the experts ``qts`` of a stored stack as ``<key>`` ``(E, ...)`` plus ``<key>_scale_inv`` / ... ."""
+    stacked = [_layout_tensors(qt, method) for qt in qts]
+    for part_name in stacked[0]:
+        writer.add(key + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
 
 
 def _whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
@@ -461,13 +489,13 @@ def _whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
     return all(n <= b or n % b == 0 for n, b in zip(shape, block))
 
 
-def _layout_tensors(qt, method: str, fmt: str) -> Dict[str, torch.Tensor]:
+def _layout_tensors(qt, method: str) -> Dict[str, torch.Tensor]:
     """The tensors that store ``qt`` in the checkpoint layout, by name (``weight``, ``weight_scale_inv``,
     ``weight_scale``, ``weight_scale_2``), on the CPU."""
     if method == FP8_METHOD:
-        return {"weight": qt.codes.view(FP8_DTYPES[fmt]).cpu(), "weight_scale_inv": qt.scales.cpu()}
+        return {"weight": qt.codes.view(FP8_DTYPES[qt.fmt]).cpu(), "weight_scale_inv": qt.scales.cpu()}
     parts = {"weight": qt.codes.cpu(),
-             "weight_scale": (qt.scales.view(torch.float8_e4m3fn) if fmt == "nvfp4" else qt.scales).cpu()}
+             "weight_scale": (qt.scales.view(torch.float8_e4m3fn) if qt.fmt == "nvfp4" else qt.scales).cpu()}
     if qt.tensor_scale is not None:
         parts["weight_scale_2"] = qt.tensor_scale.cpu()
     return parts
@@ -547,11 +575,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not hasattr(config, "to_dict"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
-    directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ValueError(f"directory={str(directory)!r} exists and is not an empty directory; choose a new one")
+    directory = _new_output_dir(directory, "directory")
     max_shard_bytes = checks.check_int("max_shard_bytes", max_shard_bytes, 1)
     allow_partial_blocks = checks.check_flag("allow_partial_blocks", allow_partial_blocks)
     layers, stacks = _quantized_parts(model)
@@ -596,8 +620,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             writer.add(key, tensor.detach().cpu())
             copied += 1
         for name, (qt, bias) in layers.items():
-            for part_name, part in _layout_tensors(qt, method, fmt).items():
-                writer.add(f"{name}.{part_name}", part)
+            _write_quantized(writer, name, qt, method)
             if bias is not None:
                 writer.add(f"{name}.bias", bias.detach().cpu())
             bytes_before += math.prod(qt.shape) * qt.dtype.itemsize
@@ -610,26 +633,16 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
                 for e, qt in enumerate(experts):
                     parts = expert_rows(names, e)
                     for (_, key, _), piece in zip(parts, split_rows(qt, [rows for _, _, rows in parts])):
-                        for part_name, part in _layout_tensors(piece, method, fmt).items():
-                            writer.add(f"{key[:-len('.weight')]}.{part_name}", part)
+                        _write_quantized(writer, key[:-len(".weight")], piece, method)
             else:  # no per-expert keys for this model, or a block of rows spans gate and up: stored as a stack
-                stacked = [_layout_tensors(qt, method, fmt) for qt in experts]
-                for part_name in stacked[0]:
-                    writer.add(name + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
+                _write_stack(writer, name, experts, method)
             bytes_before += math.prod(shape) * experts[0].dtype.itemsize
             bytes_after += sum(qt.nbytes for qt in experts)
         shards = writer.close()
-        qconfig: Dict[str, Any] = {"quant_method": method, "fmt": fmt}
-        if method == FP8_METHOD:
-            qconfig.update(activation_scheme="dynamic", weight_block_size=block_size)
-        else:
-            qconfig.update(fmt=fmt, group_size=group_size, weight_block_size=block_size, scale_format=scale_format,
-                           codes="uint8, SPEC 6 row packing")
+        layout = {"fmt": fmt, "group_size": group_size, "weight_block_size": block_size, "scale_format": scale_format}
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
-        dtype = str(next(iter(qts.values())).dtype).replace("torch.", "")
-        qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
-                       ds_fpquant={"version": __version__, "transposed": [n for n in layers if linears.get(n)],
-                                   "weight_dtype": dtype})
+        qconfig = _quantization_config(method, layout, not_converted, [n for n in layers if linears.get(n)],
+                                       str(next(iter(qts.values())).dtype).replace("torch.", ""))
         config.save_pretrained(directory)
         data = json.loads((directory / CONFIG).read_text())
         data["architectures"] = [type(model).__name__]  # as save_pretrained writes it: the class to build
@@ -638,12 +651,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         generation = getattr(model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(directory)
-    except BaseException:  # leave no half-written checkpoint behind
-        if created:
-            shutil.rmtree(directory, ignore_errors=True)
-        else:
-            for child in directory.iterdir():
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+    except BaseException:
+        _clear_output(directory, created)
         raise
     return {"quantized": len(qts), "copied": copied, "bytes_before": bytes_before, "bytes_after": bytes_after,
             "shards": shards, "skipped_files": [], "kept_partial": [], "quantization_config": qconfig}

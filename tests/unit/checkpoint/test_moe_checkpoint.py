@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ds_fpquant as fpq
@@ -17,6 +16,7 @@ from ds_fpquant import checkpoint
 from ds_fpquant.experts import _expert_views
 from ds_fpquant.module import FPQuantizedLinear
 from unit.moe_models import KINDS, tiny_moe
+from unit.safetensors_files import read_tensors as _tensors
 
 #: Per-expert checkpoint keys of expert 0 in layer 1, as save_pretrained writes them.
 EXPERT_KEYS = {"mixtral": ["model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.block_sparse_moe.experts.0.w2",
@@ -35,14 +35,6 @@ def moe_dirs(tmp_path_factory):
         path = tmp_path_factory.mktemp(kind)
         model.save_pretrained(path)
         out[kind] = (path, model)
-    return out
-
-
-def _tensors(directory):
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
     return out
 
 

@@ -9,20 +9,12 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ds_fpquant as fpq
 from ds_fpquant import api, checkpoint
 from ds_fpquant.module import FPQuantizedLinear
-
-
-def _tensors(directory):
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
+from unit.safetensors_files import read_tensors as _tensors
 
 
 def _sha(t: torch.Tensor) -> str:
