@@ -34,8 +34,12 @@ def _builder(backend: str):
 def load_op(backend: str) -> Tuple[Optional[object], str]:
     """(compiled module, '') for ``"cpu"``/``"cuda"``, or (None, why it is not available).
 
-    The first call builds (JIT) or imports the op; the result, success or failure, is cached.
+    The first call builds (JIT) or imports the op; the result, success or failure, is cached (later calls
+    read the cache without taking the lock).
     """
+    cached = _ops.get(backend)
+    if cached is not None:
+        return cached
     with _lock:
         if backend not in _ops:
             try:

@@ -177,9 +177,10 @@ def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], b
 
 
 class _QuantizedLinear(torch.autograd.Function):
-    """``forward(x2, qt, bias)`` (the fused op, or W8A8) with the backward through the dequantized weight (frozen:
-    no gradient for it, as for DeepSpeed's quantized base weights under LoRA); for W8A8 the activation
-    quantization is passed straight through (the straight-through estimator)."""
+    """W8A8's ``forward(x2, qt, bias)`` with the backward through the dequantized weight (frozen: no gradient for
+    it, as for DeepSpeed's quantized base weights under LoRA) and the activation quantization passed straight
+    through (the straight-through estimator). The weight-only path has the same backward in
+    :mod:`ds_fpquant.library`."""
 
     @staticmethod
     def forward(ctx, x2, bias, forward, qt):
@@ -228,25 +229,38 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
         TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
     """
     _check(x, qt, bias, backend)
-    if activation is not None:
-        checks.check_choice("activation", activation, ACTIVATIONS)
-    impl = backends.resolve(backend, x.device)
+    if activation is None:
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if not needs_grad and not torch.compiler.is_compiling():
+            return _weight_only_linear(x, qt, bias, backend)  # eager inference: the op's body, no dispatcher
+        from . import library  # the custom op ds_fpquant::linear: torch.compile and torch.export trace it; autograd
+
+        return library.linear(x, qt.codes, qt.scales, qt.tensor_scale, bias, qt.shape[1], qt.fmt, qt.group_size,
+                              list(qt.block) if qt.block else None, qt.scale_format, backend)
+    checks.check_choice("activation", activation, ACTIVATIONS)
+    check_w8a8_weight(qt)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
-    if activation is not None:
-        check_w8a8_weight(qt)
-        forward = functools.partial(_w8a8, backend=backend)
-    elif x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
-        return _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES).reshape(*x.shape[:-1], n)
-    elif impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
-        weight = dequantize(qt, x.dtype, backend=backend)
-        return F.linear(x2, weight, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
-    else:
-        forward = functools.partial(_fused, impl)
+    forward = functools.partial(_w8a8, backend=backend)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         y = _QuantizedLinear.apply(x2, bias, forward, qt)
     else:
         y = forward(x2, qt, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """The weight-only forward of :func:`linear` (the body of the ``ds_fpquant::linear`` custom op): the fused
+    CPU kernel, the CUDA GEMV or panels + cuBLAS, or the torch reference's dequantize + ``F.linear``."""
+    impl = backends.resolve(backend, x.device)
+    n, k = qt.shape
+    x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
+    if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
+        y = _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES)
+    elif impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
+        y = F.linear(x2, dequantize(qt, x.dtype, backend=backend), None if bias is None else bias.to(x.dtype))
+    else:
+        y = _fused(impl, x2, qt, bias)
     return y.reshape(*x.shape[:-1], n)
 
 

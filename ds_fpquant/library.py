@@ -1,0 +1,91 @@
+"""The quantized linear and the weight dequantize as ``torch.library`` custom ops, so that
+``torch.compile(model, fullgraph=True)`` and ``torch.export`` trace a quantized model in one graph.
+
+- ``ds_fpquant::linear(x, codes, scales, tensor_scale, bias, in_features, fmt, group_size, block,
+  scale_format, backend) -> Tensor``: :func:`ds_fpquant.linear.linear` without W8A8, ``(..., out)`` of
+  ``x``'s dtype. Differentiable in ``x`` and ``bias`` (the backward multiplies by the dequantized weight;
+  the quantized weight gets no gradient).
+- ``ds_fpquant::dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block,
+  scale_format, dtype, backend) -> Tensor``: :func:`ds_fpquant.dequantize` of a 2-D weight.
+
+The arguments are the fields of a 2-D row-grouped or 2-D-blocked :class:`~ds_fpquant.QuantizedTensor`
+(``block`` as ``[Br, Bc]`` or ``None``). Each op has a fake (meta) implementation giving the output's
+shape and dtype; the real one picks the backend (compiled op or torch reference) at run time, outside
+the traced graph, so no lock, ``.item()`` or denormal probe is traced.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .api import QuantizedTensor, dequantize
+
+__all__ = ["linear", "dequantize_weight", "as_op_args"]
+
+
+def _weight(codes, scales, tensor_scale, in_features: int, fmt: str, group_size: int, block, scale_format: str,
+            dtype: torch.dtype) -> QuantizedTensor:
+    return QuantizedTensor(codes=codes, scales=scales, shape=torch.Size((codes.shape[0], in_features)), dtype=dtype,
+                           fmt=fmt, group_size=group_size, block=tuple(block) if block else None,
+                           scale_format=scale_format, tensor_scale=tensor_scale)
+
+
+def as_op_args(qt: QuantizedTensor):
+    """The weight arguments of the ops for ``qt``: ``(codes, scales, tensor_scale, in_features, fmt,
+    group_size, block, scale_format)``."""
+    return (qt.codes, qt.scales, qt.tensor_scale, qt.shape[1], qt.fmt, qt.group_size,
+            list(qt.block) if qt.block else None, qt.scale_format)
+
+
+@torch.library.custom_op("ds_fpquant::dequantize_weight", mutates_args=())
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor], in_features: int,
+                      fmt: str, group_size: int, block: Optional[List[int]], scale_format: str, dtype: torch.dtype,
+                      backend: str) -> torch.Tensor:
+    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, dtype)
+    return dequantize(qt, dtype, backend=backend)
+
+
+@dequantize_weight.register_fake
+def _dequantize_weight_fake(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, dtype,
+                            backend):
+    return codes.new_empty((codes.shape[0], in_features), dtype=dtype)
+
+
+@torch.library.custom_op("ds_fpquant::linear", mutates_args=())
+def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor],
+           bias: Optional[torch.Tensor], in_features: int, fmt: str, group_size: int, block: Optional[List[int]],
+           scale_format: str, backend: str) -> torch.Tensor:
+    from .linear import _weight_only_linear
+
+    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
+    return _weight_only_linear(x, qt, bias, backend)
+
+
+@linear.register_fake
+def _linear_fake(x, codes, scales, tensor_scale, bias, in_features, fmt, group_size, block, scale_format, backend):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, codes, scales, tensor_scale, bias, *weight_args = inputs
+    ctx.save_for_backward(codes, scales, tensor_scale)
+    ctx.weight_args = weight_args  # in_features, fmt, group_size, block, scale_format, backend
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad_y):
+    codes, scales, tensor_scale = ctx.saved_tensors
+    in_features, fmt, group_size, block, scale_format, backend = ctx.weight_args
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        weight = dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format,
+                                   grad_y.dtype, backend)
+        grad_x = grad_y @ weight
+    if ctx.has_bias and ctx.needs_input_grad[4]:
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return grad_x, None, None, None, grad_bias, None, None, None, None, None, None
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
