@@ -34,7 +34,8 @@ import torch
 from . import __version__
 from .api import _check_quantized, quantize
 from .checkpoint_keys import CheckpointKeys, expert_parameters
-from .experts import install_quantized_experts, join_rows, split_rows
+from .experts import install_quantized_experts
+from .slicing import join_rows, split_rows
 from .formats import FORMATS, PRESETS
 
 __all__ = ["PartialBlocksWarning", "quantize_checkpoint", "load_quantized", "save_quantized", "main"]

@@ -16,8 +16,7 @@ dequantized stack).
 from __future__ import annotations
 
 import types
-from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,8 +25,7 @@ from .api import QuantizedTensor, dequantize, quantize
 from .linear import ACTIVATIONS, DequantizingTensor, QuantizedWeight, check_w8a8_weight
 from .module import COMPUTE_DTYPES
 
-__all__ = ["QuantizedExperts", "expert_parameter_names", "install_quantized_experts", "join_rows",
-           "quantize_experts_in_place", "split_rows"]
+__all__ = ["QuantizedExperts", "expert_parameter_names", "install_quantized_experts", "quantize_experts_in_place"]
 
 def expert_parameter_names(module: torch.nn.Module) -> List[str]:
     """The 3-D floating-point parameters of a transformers experts module (class name ending in ``Experts``)."""
@@ -170,59 +168,3 @@ def _materialize(module, args):
 def _release(module, args, output):
     for name in module._fpq_experts:
         setattr(module, name, None)
-
-
-# ---- an expert's matrix and the checkpoint matrices it is made of (gate over up) ----------------------
-
-
-def split_rows(qt: QuantizedTensor, rows: Sequence[int]) -> List[QuantizedTensor]:
-    """``qt`` (2-D, row groups or 2-D blocks) cut into consecutive row ranges of ``rows`` rows, each a
-    :class:`QuantizedTensor` of its own with the same codes and scales (nothing is requantized).
-
-    Raises ``ValueError`` when a cut falls inside a block of rows (the block's one scale would belong
-    to two matrices).
-    """
-    block_rows = qt.block[0] if qt.block else 1
-    if sum(rows) != qt.shape[0] or any(n % block_rows for n in rows[:-1]):
-        raise ValueError(f"rows {list(rows)} do not cut a {tuple(qt.shape)} matrix with blocks of {block_rows} rows "
-                         f"on block boundaries")
-    out, start = [], 0
-    for n in rows:
-        s0, s1 = start // block_rows, -(-(start + n) // block_rows)
-        out.append(replace(qt, codes=qt.codes[start:start + n], scales=qt.scales[s0:s1],
-                           shape=torch.Size((n, qt.shape[1])),  # NVFP4: each part carries the shared tensor scale
-                           tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone()))
-        start += n
-    return out
-
-
-def _column_layout(qt: QuantizedTensor) -> tuple:
-    """What must agree between matrices stacked along rows."""
-    return (qt.shape[1], qt.codes.dtype, qt.scales.dtype, qt.fmt, qt.group_size, qt.scale_format, qt.dtype, qt.grouping,
-            qt.block[1] if qt.block else None)
-
-
-def join_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
-    """The matrix of ``parts`` stacked along rows (gate over up), as one :class:`QuantizedTensor` holding
-    the same codes and scale values: where a part's rows end inside a block of rows, the block scales are
-    repeated per row (blocks ``(1, Bc)``), which dequantizes to the same values. NVFP4 parts must share
-    their tensor scale.
-
-    Raises ``ValueError`` for parts of different column counts or layouts.
-    """
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    if any(_column_layout(qt) != _column_layout(first) for qt in parts):
-        raise ValueError(f"expert parts to join differ in layout: {[_column_layout(qt) for qt in parts]}")
-    if first.tensor_scale is not None and any(not torch.equal(qt.tensor_scale, first.tensor_scale) for qt in parts):
-        raise ValueError("NVFP4 expert parts to join have different tensor scales (weight_scale_2); ds_fpquant "
-                         "joins parts quantized together, with one tensor scale")
-    block = first.block
-    if block is not None and (any(qt.block != block for qt in parts)
-                              or any(qt.shape[0] % block[0] for qt in parts[:-1])):
-        block = (1, block[1])  # scales per row: a part ends inside a block of rows
-    scales = [qt.scales if block == qt.block else qt.scales.repeat_interleave(qt.block[0], dim=0)[:qt.shape[0]]
-              for qt in parts]
-    return replace(first, codes=torch.cat([qt.codes for qt in parts]), scales=torch.cat(scales), block=block,
-                   shape=torch.Size((sum(qt.shape[0] for qt in parts), first.shape[1])))

@@ -8,7 +8,7 @@ import torch
 
 from .config import SECTION, FPQuantizationConfig, _read, load_config
 from .experts import expert_parameter_names, quantize_experts_in_place
-from .module import FPQuantizedLinear, is_weight_quantized, quantize_weight_in_place
+from .module import COMPUTE_DTYPES, FPQuantizedLinear, is_weight_quantized, quantize_weight_in_place
 
 __all__ = ["apply", "init_inference", "is_quantized_model", "patch_deepspeed", "unpatch_deepspeed"]
 
@@ -169,15 +169,90 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
             need full-precision weights), before the model is changed.
     """
     section, rest, kwargs = _split(config, kwargs)
-    fp_config = load_config({SECTION: section or {}})
-    _check_kernel_inject(model, fp_config.enabled, rest, kwargs)
+    return _init_inference(model, load_config({SECTION: section or {}}), rest, kwargs)
+
+
+def _init_inference(model: torch.nn.Module, fp_config: Optional[FPQuantizationConfig], rest: Dict[str, Any],
+                    kwargs: Dict[str, Any]):
+    """DeepSpeed's ``init_inference`` with ``fp_config`` applied (``None``: none), for full-precision and already
+    quantized models, tp 1 and AutoTP."""
+    _check_kernel_inject(model, fp_config is not None and fp_config.enabled, rest, kwargs)
     deepspeed_init_inference = _original_init_inference()
     if _tp_size(rest, kwargs) <= 1:
-        apply(model, fp_config)
+        if fp_config is not None:
+            apply(model, fp_config)
         return deepspeed_init_inference(model, config=rest, **kwargs)
+    stand_ins = _stand_in_linears(model)  # quantized layers AutoTP can shard, as meta nn.Linear
+    keep_on_host = bool(kwargs.get("keep_module_on_host", rest.get("keep_module_on_host", False)))
+    if stand_ins:  # the engine moves the module to the device before the stand-ins are replaced: do it after
+        (kwargs if "keep_module_on_host" in kwargs or "keep_module_on_host" not in rest else rest)[
+            "keep_module_on_host"] = True
     engine = deepspeed_init_inference(model, config=rest, **kwargs)
-    apply(engine.module, fp_config)
+    _shard_stand_ins(engine.module, stand_ins)
+    if stand_ins and not keep_on_host:
+        from deepspeed.accelerator import get_accelerator
+
+        engine.module.to(get_accelerator().current_device_name())
+    if fp_config is not None:
+        apply(engine.module, fp_config)
     return engine
+
+
+def _stand_in_linears(model: torch.nn.Module) -> Dict[int, FPQuantizedLinear]:
+    """Replace each :class:`FPQuantizedLinear` of ``model`` by an ``nn.Linear`` of its shape with a meta
+    weight (no memory) and its bias, so that DeepSpeed's AutoTP finds and shards it; returns
+    ``id(stand-in weight) -> the quantized layer``. AutoTP keeps the weight's Parameter object when it shards
+    it (it sets ``.data``), which is how :func:`_shard_stand_ins` finds each layer's codes again."""
+    layers = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FPQuantizedLinear):
+            stand_in = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta",
+                                       dtype=module.orig_dtype)
+            if module.bias is not None:  # a copy: AutoTP shards the bias it is given in place
+                stand_in.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+            stand_in._fpq_quantized = module
+            layers[id(stand_in.weight)] = module
+            parent, child = _parent(model, name)
+            setattr(parent, child, stand_in)
+    return layers
+
+
+def _shard_stand_ins(model: torch.nn.Module, layers: Dict[int, FPQuantizedLinear]) -> None:
+    """After AutoTP: each tensor-parallel layer made from a stand-in gets this rank's part of the quantized
+    weight (column-parallel ``LinearLayer``: its output rows; row-parallel ``LinearAllreduce``: its input
+    columns, whole groups / blocks), and stand-ins AutoTP left alone become the quantized layers again.
+
+    Raises ``ValueError`` naming the layer when its shard cuts a group or block, or AutoTP shards it in a
+    way that is not one contiguous range (fused and packed layers)."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    from .module import install_quantized_weight
+    from .slicing import column_slice, row_slice
+
+    for name, module in list(model.named_modules()):
+        source = getattr(module, "_fpq_quantized", None)
+        if source is not None:  # not sharded by AutoTP: the quantized layer as it was
+            parent, child = _parent(model, name)
+            setattr(parent, child, source)
+            continue
+        weight = getattr(module, "weight", None)
+        source = layers.get(id(weight)) if isinstance(weight, torch.nn.Parameter) else None
+        if source is None:
+            continue
+        kind = type(module)
+        if kind not in (LinearLayer, LinearAllreduce):
+            raise ValueError(f"{name}: AutoTP shards this layer as {kind.__name__}, which is not one contiguous range "
+                             f"of the weight; a pre-quantized weight can be sharded for LinearLayer and "
+                             f"LinearAllreduce only (quantize after sharding: ds_fpquant.init_inference with the "
+                             f"full-precision model)")
+        sizes, rank = module._partition_sizes, module.tp_index
+        start = sum(sizes[:rank])
+        qt = source.quantized_weight
+        shard = (row_slice(qt, start, start + sizes[rank], name) if kind is LinearLayer else
+                 column_slice(qt, start, start + sizes[rank], name))
+        compute_dtype = {v: k for k, v in COMPUTE_DTYPES.items()}.get(source.compute_dtype)
+        install_quantized_weight(module, shard, compute_dtype=compute_dtype, backend=source.backend,
+                                 activation=source.activation)
 
 
 def _original_init_inference():
@@ -196,6 +271,8 @@ def _deepspeed_init_inference(model: torch.nn.Module, config=None, **kwargs):
     section, rest, other = _split(config, kwargs)
     if section is not None:
         return init_inference(model, config, **kwargs)
+    if is_quantized_model(model):  # pre-quantized (load_quantized, apply): AutoTP needs the stand-ins
+        return _init_inference(model, None, rest, other)
     _check_kernel_inject(model, False, rest, other)
     return _original_init_inference()(model, config, **kwargs)
 

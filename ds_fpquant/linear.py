@@ -30,6 +30,7 @@ from . import backends, checks
 from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize, quantize
 from .formats import W8A8_GROUP, w8a8_weight_problem
 from .packing import row_bytes
+from .slicing import row_slice
 
 __all__ = ["linear", "QuantizedWeight", "DequantizingTensor", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES", "ACTIVATIONS", "check_w8a8_weight"]
 
@@ -86,13 +87,6 @@ def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tenso
                      small_m, PANEL_BYTES)
 
 
-def _row_panel(qt: QuantizedTensor, n0: int, n1: int) -> QuantizedTensor:
-    """Rows ``n0 .. n1-1`` of a 2-D quantized weight (``n0`` on a block boundary for 2-D blocks)."""
-    block_rows = qt.block[0] if qt.block is not None else 1
-    return dataclasses.replace(qt, codes=qt.codes[n0:n1], scales=qt.scales[n0 // block_rows:-(-n1 // block_rows)],
-                               shape=torch.Size((n1 - n0, qt.shape[1])))
-
-
 def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str,
             panel_bytes: int) -> torch.Tensor:
     """``F.linear`` of ``x2`` with the weight dequantized ``panel_bytes`` of rows at a time."""
@@ -106,7 +100,7 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        weight = dequantize(_row_panel(qt, n0, n1), x2.dtype, backend=backend)
+        weight = dequantize(row_slice(qt, n0, n1), x2.dtype, backend=backend)
         y[:, n0:n1] = F.linear(x2, weight, None if b is None else b[n0:n1])
     return y
 

@@ -18,7 +18,7 @@ from .api import QuantizedTensor, quantize
 from .linear import ACTIVATIONS, QuantizedWeight, check_w8a8_weight
 from .linear import linear as fused_linear
 
-__all__ = ["FPQuantizedLinear", "quantize_weight_in_place", "is_weight_quantized"]
+__all__ = ["FPQuantizedLinear", "install_quantized_weight", "quantize_weight_in_place", "is_weight_quantized"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -149,9 +149,19 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
     if activation is not None:
         checks.check_choice("activation", activation, ACTIVATIONS)
     qt = quantize(weight.detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+    install_quantized_weight(module, qt, compute_dtype=compute_dtype, backend=backend, activation=activation)
+    return qt.nbytes
+
+
+def install_quantized_weight(module: torch.nn.Module, qt: QuantizedTensor, *, compute_dtype: Optional[str] = None,
+                             backend: str = "auto", activation: Optional[str] = None) -> None:
+    """Make ``qt`` (an ``(out, in)`` weight's codes and scales) the weight of ``module`` as
+    :func:`quantize_weight_in_place` does: the ``weight`` parameter (if any) is replaced by the buffers and
+    the forward hooks. Used for AutoTP shards of a model that was quantized before it was sharded."""
     if activation is not None:
+        checks.check_choice("activation", activation, ACTIVATIONS)
         check_w8a8_weight(qt)
-    del module._parameters["weight"]
+    module._parameters.pop("weight", None)
     _register_weight_buffers(module, qt)
     module._fpq_weight = dict(shape=qt.shape, dtype=qt.dtype, fmt=qt.fmt, group_size=qt.group_size, backend=backend,
                               scale_format=qt.scale_format, block=qt.block,
@@ -172,4 +182,3 @@ def quantize_weight_in_place(module: torch.nn.Module, fmt: str = "e4m3", group_s
 
     module.register_forward_pre_hook(materialize)
     module.register_forward_hook(release)
-    return qt.nbytes

@@ -58,8 +58,54 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                   exact=exact, cos=cos, generated=list(generated.shape), dequantized_in_forward=len(calls),
                   weight_released=all(
                       m.weight is None for m in layers.values()))
+    result.update(_pre_quantized(rank, world, out_dir, base, ids))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
+
+
+def _pre_quantized(rank, world, out_dir, base, ids):
+    """Issue 16: a checkpoint from ``ds-fpquant quantize`` loaded with ``load_quantized`` (FPQuantizedLinear
+    layers, no nn.Linear left) under AutoTP: each rank holds its slice of the stored codes (output rows or
+    input columns), and the logits equal the tp=1 model's within the all-reduce's rounding."""
+    import deepspeed
+
+    import ds_fpquant as fpq
+    from ds_fpquant.slicing import column_slice, row_slice
+
+    src, ckpt = os.path.join(out_dir, "src"), os.path.join(out_dir, "ckpt")
+    if rank == 0:  # transformers saves on the main process only
+        _model().save_pretrained(src)
+        fpq.quantize_checkpoint(src, ckpt, "e4m3", block=(16, 32), progress=False)
+    torch.distributed.barrier()
+    whole = fpq.load_quantized(ckpt)
+    with torch.no_grad():
+        whole_logits = whole(ids).logits
+    full = {n: m.quantized_weight for n, m in whole.named_modules() if isinstance(m, fpq.FPQuantizedLinear)}
+    fpq.patch_deepspeed()  # DeepSpeed's own call, no fp_quantization section: the model is quantized already
+    engine = deepspeed.init_inference(fpq.load_quantized(ckpt), config=dict(base))
+    fpq.unpatch_deepspeed()
+    sliced = exact = 0
+    for name, m in engine.module.named_modules():
+        if name not in full or not hasattr(m, "weight_codes"):
+            continue
+        size, start = m._partition_sizes[m.tp_index], sum(m._partition_sizes[:m.tp_index])
+        part = (column_slice if type(m).__name__ == "LinearAllreduce" else row_slice)(full[name], start, start + size)
+        exact += torch.equal(m.weight_codes, part.codes) and torch.equal(m.weight_scales.view(torch.float32), part.scales)
+        sliced += 1
+    with torch.no_grad():
+        logits = engine(ids).logits
+    # groups of 48 columns: the row-parallel layers' 64-column shards would cut a group
+    odd = os.path.join(out_dir, "odd")
+    if rank == 0:
+        fpq.quantize_checkpoint(src, odd, "e4m3", group_size=48, allow_partial_blocks=True, progress=False)
+    torch.distributed.barrier()
+    try:
+        fpq.init_inference(fpq.load_quantized(odd), {"fp_quantization": {"enabled": False}, **base})
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return dict(pre_sliced=sliced, pre_exact=exact, pre_max_diff=(logits - whole_logits).abs().max().item(),
+                pre_scale=whole_logits.abs().max().item(), refused=refused)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``ds_fpquant.init_inference`` with AutoTP (tp_size 2, two gloo processes on CPU): DeepSpeed shards
 the linears first, then each rank quantizes its shards in place; DeepSpeed's forward then multiplies
-through the fused op (a QuantizedWeight stands in for the weight), never a dequantized copy."""
+through the fused op (a QuantizedWeight stands in for the weight), never a dequantized copy. A model
+quantized before (``load_quantized``) is sharded as stored: each rank gets its rows or columns of the codes."""
 
 import json
 import socket
@@ -31,3 +32,8 @@ def test_autotp_two_ranks(tmp_path):
         assert result["cos"] > 0.999 and result["generated"] == [1, 11] and result["weight_released"]
         assert result["dequantized_in_forward"] == 0, "the sharded layers multiply through the fused op"
     assert results[0]["cos"] == results[1]["cos"]  # the all-reduce gives both ranks the same logits
+    for result in results:  # a pre-quantized model (load_quantized) sharded by AutoTP: each rank its stored slice
+        assert result["pre_sliced"] == 14 and result["pre_exact"] == 14
+        assert result["pre_max_diff"] <= 1e-5 * result["pre_scale"], result  # the all-reduce's fp32 rounding
+        assert result["refused"].startswith("model.layers.0.self_attn.o_proj: columns ") and \
+            "cut its groups of 48 columns" in result["refused"], result["refused"]
