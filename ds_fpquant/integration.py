@@ -159,14 +159,17 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     ``init_inference`` keys (the section may also be passed as ``fp_quantization=``; without it the
     defaults apply); ``kwargs`` go to ``deepspeed.init_inference`` as usual. With
     ``tensor_parallel.tp_size == 1`` the model is quantized first; with AutoTP (``tp_size > 1``) the
-    engine shards the linears first and the transform is applied to ``engine.module`` after.
+    engine shards the linears first and the transform is applied to ``engine.module`` after. Layers of a
+    model quantized before (``load_quantized``, ``apply``) are sharded as stored: each rank gets its output
+    rows (``LinearLayer``) or input columns (``LinearAllreduce``) of the codes and scales.
 
     Returns:
         the ``deepspeed.InferenceEngine``.
 
     Raises:
         ValueError: an invalid section, or ``replace_with_kernel_inject=True`` (DeepSpeed's fused kernels
-            need full-precision weights), before the model is changed.
+            need full-precision weights), before the model is changed; a pre-quantized layer whose AutoTP
+            shard would cut a group or block, or that AutoTP splits into several ranges (names the layer).
     """
     section, rest, kwargs = _split(config, kwargs)
     return _init_inference(model, load_config({SECTION: section or {}}), rest, kwargs)
