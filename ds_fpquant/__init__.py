@@ -1,6 +1,6 @@
 """ds_fpquant: FP8 / FP6 / FP4 group quantization for DeepSpeed, correct to the bit.
 
-Public API (see API.md): :func:`quantize`, :func:`dequantize`, :class:`QuantizedTensor`, the
+Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`QuantizedTensor`, the
 DeepSpeed drop-in :class:`FP_Quantize`, and the format table :data:`FORMATS`.
 """
 

@@ -1,4 +1,4 @@
-"""Native API (API.md): ``quantize``, ``dequantize`` and ``QuantizedTensor``."""
+"""Native API (docs/api.md): ``quantize``, ``dequantize`` and ``QuantizedTensor``."""
 
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def _clear_groups(packed: torch.Tensor, zero: torch.Tensor, group_size: int, bit
 
 
 def element_format(fmt) -> FPFormat:
-    """The element format of ``fmt``: a format name, or a preset's element format (API.md).
+    """The element format of ``fmt``: a format name, or a preset's element format (docs/api.md).
 
     Raises:
         TypeError, ValueError: ``fmt`` is not a str, or names neither a format nor a preset.

@@ -263,7 +263,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     Args:
         src: directory with ``config.json`` and ``.safetensors`` weights (one file or an index).
         dst: output directory; must not exist or be empty.
-        fmt: element format or preset (API.md). ``"e4m3"`` / ``"e5m2"`` with fp32 scales give the
+        fmt: element format or preset (docs/api.md). ``"e4m3"`` / ``"e5m2"`` with fp32 scales give the
             block-FP8 layout (``quant_method: "fp8"``); the rest the ``"ds_fpquant"`` layout.
         block: ``(Br, Bc)`` scale blocks; default ``(128, 128)`` for element formats unless
             ``group_size`` is given (presets bring their own groups).

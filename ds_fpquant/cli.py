@@ -1,4 +1,4 @@
-"""``ds-fpquant`` command line (API.md): ``demo`` (the main job), ``bench``, ``report`` and ``quantize``."""
+"""``ds-fpquant`` command line (docs/api.md): ``demo`` (the main job), ``bench``, ``report`` and ``quantize``."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class ModuleOverride(DeepSpeedConfigModel):
 
 
 class FPQuantizationConfig(DeepSpeedConfigModel):
-    """Settings of :func:`ds_fpquant.apply` (SPEC.md for the numerics of each field).
+    """Settings of :func:`ds_fpquant.apply` (docs/spec.md for the numerics of each field).
 
     ``group_size`` and ``scale_format`` left out mean 128 and ``"fp32"``, or a preset's own (G=32 and
     ``"e8m0"`` for MX, G=16 and e4m3 scale codes for ``"nvfp4"``); a preset refuses other given values.

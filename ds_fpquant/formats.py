@@ -221,7 +221,7 @@ def format_from_deepspeed(q_bits, q_mantisa_bits) -> FPFormat:
                      f"{DEEPSPEED_DEFAULT_MANTISSA_BITS} or the format's own)")
 
 
-#: Named presets of API.md: element format, group size, scale format. The MX presets have E8M0 scales
+#: Named presets of docs/api.md: element format, group size, scale format. The MX presets have E8M0 scales
 #: (OCP MX v1.0, SPEC 3.2); NVFP4 has e4m3 group scale codes times a per-tensor fp32 scale (SPEC 3.4).
 PRESETS: Dict[str, Tuple[str, int, str]] = {
     "mxfp8_e4m3": ("e4m3", 32, "e8m0"),
@@ -232,7 +232,7 @@ PRESETS: Dict[str, Tuple[str, int, str]] = {
     "nvfp4": ("e2m1", 16, "e4m3"),
 }
 
-#: ``group_size`` and ``scale_format`` of an element format when the caller gives none (API.md).
+#: ``group_size`` and ``scale_format`` of an element format when the caller gives none (docs/api.md).
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_SCALE_FORMAT = "fp32"
 

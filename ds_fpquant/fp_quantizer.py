@@ -1,4 +1,4 @@
-"""Drop-in replacement for ``deepspeed.ops.fp_quantizer.FP_Quantize`` (API.md, SPEC 6.1).
+"""Drop-in replacement for ``deepspeed.ops.fp_quantizer.FP_Quantize`` (docs/api.md, SPEC 6.1).
 
 Same methods and buffer layout as DeepSpeed's class, with SPEC numerics: flat grouping over the
 whole tensor, one fp32 scale per group, no element ever dropped (a short last group is padded

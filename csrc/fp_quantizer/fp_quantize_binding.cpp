@@ -320,7 +320,7 @@ py::dict format_table()
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.doc() = "ds_fpquant group FP quantization kernels (SPEC.md)";
+    m.doc() = "ds_fpquant group FP quantization kernels (docs/spec.md)";
     m.def("quantize", &quantize, "quantize (rows, k) -> (codes, scales)", py::arg("x"), py::arg("fmt"),
           py::arg("group_size"), py::arg("scales") = py::none(), py::arg("stochastic") = false,
           py::arg("seed") = 0, py::arg("offset") = 0, py::arg("e8m0") = "");

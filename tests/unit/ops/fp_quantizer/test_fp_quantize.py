@@ -1,4 +1,4 @@
-"""``FP_Quantize`` drop-in (API.md, SPEC 6.1): buffer layout, meta tensors, selective dequantize."""
+"""``FP_Quantize`` drop-in (docs/api.md, SPEC 6.1): buffer layout, meta tensors, selective dequantize."""
 
 import copy
 import pickle

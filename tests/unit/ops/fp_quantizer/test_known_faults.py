@@ -117,7 +117,7 @@ def test_orig_shape_named():
 
 @pytest.mark.parametrize("fmt,shape", [("e4m3", ()), ("e5m2", ()), ("e2m1", (1,)), ("e4m7", (2,))])
 def test_zero_dim_input_codes_shape(fmt, shape):
-    """API.md: 8-bit codes have the input's shape, 0-d included."""
+    """docs/api.md: 8-bit codes have the input's shape, 0-d included."""
     qt = fpq.quantize(torch.tensor(1.5), fmt)
     assert tuple(qt.codes.shape) == shape and qt.dequantize().shape == ()
 
