@@ -24,7 +24,7 @@ _LAZY = {
     "FPQuantizationConfig": "config",
     "FPQuantizedLinear": "module",
     "quantize_checkpoint": "checkpoint",
-    "load_quantized": "checkpoint",
+    "load_quantized": "loader",
     "save_quantized": "checkpoint",
 }
 

@@ -10,21 +10,15 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, checks
-from .formats import FORMATS, PRESETS, FPFormat, get_format, resolve_preset
+from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
+from .formats import FORMATS, NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, get_format, resolve_preset
 from .packing import pack_rows, row_bytes, unpack_rows
 from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
                         encode_stochastic, group_amax, nvfp4_group_scales, nvfp4_tensor_scale, pow2, random_words,
                         scales_from_amax)
 
-__all__ = ["QuantizedTensor", "quantize", "dequantize"]
+__all__ = ["QuantizedTensor", "quantize", "dequantize", "check_settings"]
 
-GROUPINGS = ("row", "flat")
-SCALE_FORMATS = ("fp32", "e8m0")
-#: ``QuantizedTensor.scale_format`` of ``fmt="nvfp4"``: its group scales are e4m3 codes (SPEC 3.4).
-NVFP4_SCALE_FORMAT = "e4m3"
-SCALE_ROUNDINGS = ("ceil", "floor")
-ROUNDINGS = ("nearest", "stochastic")
-BACKENDS = ("auto", "cuda", "cpu", "torch")
 #: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
 BF16_QUIET_NAN = 0x7FC0
 
@@ -74,6 +68,17 @@ class QuantizedTensor:
         """Same as :func:`dequantize` (``dequantize(self, dtype)``)."""
         return dequantize(self, dtype, backend=backend)
 
+    def validate(self) -> "QuantizedTensor":
+        """Check that the fields agree with each other as :func:`quantize` makes them (format, preset,
+        grouping, block, codes and scales dtypes and shapes, NVFP4 tensor scale, one device); returns
+        ``self``. Values are not inspected.
+
+        Raises:
+            TypeError, ValueError: naming the field (``qt.codes``, ``qt.scales``, ...).
+        """
+        _check_quantized(self)
+        return self
+
 
 # ---- argument checks (SPEC 7) -----------------------------------------------------------------
 
@@ -103,9 +108,31 @@ def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int,
     return (*shape[:-1], nbytes)
 
 
-def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed,
-                         backend) -> FPFormat:
-    checks.check_tensor("x", x)
+def check_settings(fmt: str = "e4m3", group_size: Optional[int] = None, *, grouping: str = "row",
+                   block: Optional[Tuple[int, int]] = None, scale_format: Optional[str] = None,
+                   scale_rounding: str = "ceil", rounding: str = "nearest", seed: Optional[int] = None,
+                   backend: str = "auto") -> Tuple[int, str, Optional[Tuple[int, int]]]:
+    """Check the arguments of :func:`quantize` that do not depend on the tensor, as it does (same errors),
+    and resolve them: returns ``(group_size, scale_format, block)`` with a preset's own values and, with
+    ``block``, its ``Bc`` as the group size.
+
+    Raises:
+        TypeError, ValueError: as :func:`quantize` (SPEC 7).
+    """
+    if block is not None and group_size is not None:
+        bc = _check_block(block, None, "row")[1]
+        if checks.check_int("group_size", group_size, 1) != bc:
+            raise ValueError(f"block={tuple(block)!r} fixes the groups to Bc={bc} codes; got group_size={group_size} "
+                             f"(leave group_size out with block)")
+    group_size, scale_format = resolve_preset(fmt, group_size, scale_format)
+    _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
+    if block is not None:
+        block = _check_block(block, None, grouping)
+        group_size = block[1]  # rows of codes are cut into segments of Bc (SPEC 6)
+    return group_size, scale_format, block
+
+
+def _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend) -> FPFormat:
     f = element_format(fmt)
     checks.check_choice("grouping", grouping, GROUPINGS)
     checks.check_choice("scale_format", scale_format,
@@ -122,10 +149,6 @@ def _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, 
         source = "SPEC 3.4" if fmt == "nvfp4" else "OCP MX v1.0"
         raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim ({source}); "
                          f"block={block!r} cannot be combined with it")
-    if backend in ("cpu", "cuda") and x.device.type != backend:
-        raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
-    if block is not None:
-        _check_block(block, x, grouping)
     return f
 
 
@@ -185,7 +208,7 @@ def _nvfp4_scales(x2: torch.Tensor, group_size: int):
     and the bool mask of the groups whose codes are all 0: ``s == 0``, or ``s`` so small (below
     2^-128) that ``r = fl(1/s)`` overflows (read as ``s == 0``; SPEC 3.4 does not cover it).
     """
-    element, scale_code = get_format("e2m1"), get_format(NVFP4_SCALE_FORMAT)
+    element, scale_code = get_format(NVFP4_ELEMENT_FORMAT), get_format(NVFP4_SCALE_FORMAT)
     amax, nonfinite = group_amax(_fp32_groups(x2, group_size))
     amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
     t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
@@ -372,14 +395,14 @@ def quantize(
     Raises:
         TypeError, ValueError: invalid arguments (SPEC 7), before any work is done.
     """
-    if block is not None and group_size is not None:
-        bc = _check_block(block, None, "row")[1]
-        if checks.check_int("group_size", group_size, 1) != bc:
-            raise ValueError(f"block={tuple(block)!r} fixes the groups to Bc={bc} codes; got group_size={group_size} "
-                             f"(leave group_size out with block)")
-    group_size, scale_format = resolve_preset(fmt, group_size, scale_format)
+    group_size, scale_format, block = check_settings(fmt, group_size, grouping=grouping, block=block,
+                                                     scale_format=scale_format, scale_rounding=scale_rounding,
+                                                     rounding=rounding, seed=seed, backend=backend)
     offset = checks.check_u64("offset", offset)
-    f = _check_quantize_args(x, fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
+    checks.check_tensor("x", x)
+    if backend in ("cpu", "cuda") and x.device.type != backend:
+        raise ValueError(f"backend={backend!r} needs a {backend} tensor; x is on {x.device}")
+    f = element_format(fmt)
     seed = None if seed is None else checks.check_u64("seed", seed)
     nvfp4 = fmt == "nvfp4"
     if scales is not None and (scale_format != "fp32" or nvfp4):
@@ -387,10 +410,9 @@ def quantize(
                          f"scale_format={scale_format!r}")
     e8m0 = scale_rounding if scale_format == "e8m0" else None
     if block is not None:
-        block = _check_block(block, x, grouping)
+        _check_block(block, x, grouping)
         if scales is not None:
             raise ValueError("scales= cannot be combined with block=: the block scales come from the tiles' amax")
-        group_size = block[1]  # rows of codes are cut into segments of Bc (SPEC 6)
     shape = tuple(x.shape)
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)

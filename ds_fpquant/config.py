@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator, model_validator
 
+from .choices import ACTIVATIONS, ALL_SCALE_FORMATS, BACKENDS, COMPUTE_DTYPE_NAMES, ROUNDINGS, SCALE_FORMATS
 from .formats import FORMATS, PRESETS, resolve_preset, w8a8_weight_problem
 
 #: The top-level key of the section in a DeepSpeed config.
@@ -34,12 +35,12 @@ SECTION = "fp_quantization"
 #: Output heads and embeddings stay in high precision unless the config says otherwise.
 DEFAULT_EXCLUDE = ("lm_head", "embed_out", "output_layer", "embed_tokens", "word_embeddings", "wte", "wpe")
 
-Backend = Literal["auto", "cuda", "cpu", "torch"]
+Backend = Literal[BACKENDS]
 #: "e4m3" only with fmt "nvfp4" (its group scale codes, SPEC 3.4), where it is also the default.
-ScaleFormat = Literal["fp32", "e8m0", "e4m3"]
-Rounding = Literal["nearest", "stochastic"]
-ComputeDtype = Literal["fp32", "fp16", "bf16"]
-Activation = Literal["e4m3"]
+ScaleFormat = Literal[ALL_SCALE_FORMATS]
+Rounding = Literal[ROUNDINGS]
+ComputeDtype = Literal[COMPUTE_DTYPE_NAMES]
+Activation = Literal[ACTIVATIONS]
 
 
 def _check_fmt(value):
@@ -148,7 +149,7 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             settings["group_size"] = block[1]
         settings["group_size"], settings["scale_format"] = resolve_preset(fmt, settings["group_size"],
                                                                           settings["scale_format"])
-        if fmt not in PRESETS and settings["scale_format"] not in ("fp32", "e8m0"):
+        if fmt not in PRESETS and settings["scale_format"] not in SCALE_FORMATS:
             raise ValueError(f"scale_format={settings['scale_format']!r} is only for fmt='nvfp4'; allowed for "
                              f"fmt={fmt!r}: 'fp32', 'e8m0'")
         if self.activation is not None:

@@ -22,7 +22,8 @@ import torch
 
 from . import checks
 from .api import QuantizedTensor, dequantize, quantize
-from .linear import ACTIVATIONS, DequantizingTensor, QuantizedWeight, check_w8a8_weight
+from .choices import ACTIVATIONS
+from .linear import DequantizingTensor, QuantizedWeight, check_w8a8_weight
 from .module import COMPUTE_DTYPES
 
 __all__ = ["QuantizedExperts", "expert_parameter_names", "install_quantized_experts", "quantize_experts_in_place"]

@@ -231,6 +231,8 @@ PRESETS: Dict[str, Tuple[str, int, str]] = {
     "mxfp4": ("e2m1", 32, "e8m0"),
     "nvfp4": ("e2m1", 16, "e4m3"),
 }
+#: NVFP4's element format and the format of its group scale codes (SPEC 3.4), from its preset.
+NVFP4_ELEMENT_FORMAT, _, NVFP4_SCALE_FORMAT = PRESETS["nvfp4"]
 
 #: ``group_size`` and ``scale_format`` of an element format when the caller gives none (docs/api.md).
 DEFAULT_GROUP_SIZE = 128

@@ -17,7 +17,6 @@ kernel, one rounding of the fp32 result to ``x``'s dtype).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -27,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import backends, checks
-from .api import BACKENDS, QuantizedTensor, _check_quantized, dequantize, quantize
+from .api import QuantizedTensor, dequantize, quantize
+from .choices import ACTIVATIONS, BACKENDS
 from .formats import W8A8_GROUP, w8a8_weight_problem
 from .packing import row_bytes
 from .slicing import row_slice
@@ -62,7 +62,9 @@ def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
 
 def _check(x, qt, bias, backend) -> None:
     checks.check_tensor("x", x)
-    _check_quantized(qt)
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a ds_fpquant.QuantizedTensor, got {type(qt).__name__}")
+    qt.validate()
     checks.check_choice("backend", backend, BACKENDS)
     if len(qt.shape) != 2 or qt.grouping != "row":
         raise ValueError(f"qt must hold a 2-D (out_features, in_features) weight with row grouping or 2-D blocks; "
@@ -108,7 +110,6 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
 # ---- W8A8: activations quantized to e4m3 per token (opt-in) ------------------------------------------
 
 #: Activation formats of the W8A8 path: e4m3 codes with fp32 scales in 1x128 groups per token.
-ACTIVATIONS = ("e4m3",)
 _w8a8_unavailable: Dict[str, str] = {}  # device -> why it cannot run torch's blockwise FP8 GEMM at all
 _w8a8_logged: set = set()  # reasons already logged
 

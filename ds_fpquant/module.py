@@ -15,12 +15,14 @@ import torch
 
 from . import checks
 from .api import QuantizedTensor, quantize
-from .linear import ACTIVATIONS, QuantizedWeight, check_w8a8_weight
+from .choices import ACTIVATIONS, COMPUTE_DTYPE_NAMES
+from .linear import QuantizedWeight, check_w8a8_weight
 from .linear import linear as fused_linear
 
 __all__ = ["FPQuantizedLinear", "install_quantized_weight", "quantize_weight_in_place", "is_weight_quantized"]
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: ``compute_dtype`` name -> dtype (the names: :data:`ds_fpquant.choices.COMPUTE_DTYPE_NAMES`).
+COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
 
 
 def _register_weight_buffers(module: torch.nn.Module, qt: QuantizedTensor) -> None:

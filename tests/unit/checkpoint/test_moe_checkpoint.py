@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import ds_fpquant as fpq
 from ds_fpquant import checkpoint
+from ds_fpquant.cli import quantize_main
 from ds_fpquant.experts import _expert_views
 from ds_fpquant.module import FPQuantizedLinear
 from unit.moe_models import KINDS, tiny_moe
@@ -65,7 +66,7 @@ SETTINGS = [(["--fmt", "e4m3", "--block", "8", "32"], {"fmt": "e4m3", "block": [
 @pytest.mark.parametrize("args,section", SETTINGS, ids=[s[1]["fmt"] for s in SETTINGS])
 def test_cli_quantizes_every_expert_and_loads_bit_identical_to_apply(moe_dirs, tmp_path, kind, args, section, capsys):
     src, model = moe_dirs[kind]
-    assert checkpoint.main([str(src), str(tmp_path / "q"), "--no-progress", *args]) == 0
+    assert quantize_main([str(src), str(tmp_path / "q"), "--no-progress", *args]) == 0
     assert "kept because" not in capsys.readouterr().out  # every side is whole blocks here
     files = _tensors(tmp_path / "q")
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]

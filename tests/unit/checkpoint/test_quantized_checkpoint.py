@@ -12,7 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ds_fpquant as fpq
-from ds_fpquant import api, checkpoint
+from ds_fpquant import api, checkpoint, model_files
 from ds_fpquant.module import FPQuantizedLinear
 from unit.safetensors_files import read_tensors as _tensors
 
@@ -106,13 +106,13 @@ def test_round_trip_gpt2(gpt2_dir, tmp_path, fmt, kwargs, section, method):
 def test_sharded_output_and_index(gpt2_dir, tmp_path, monkeypatch):
     src, model = gpt2_dir
     held = []
-    flush = checkpoint._ShardWriter._flush
+    flush = model_files.ShardWriter._flush
 
     def recording_flush(self):
         held.append(self.pending_bytes)
         flush(self)
 
-    monkeypatch.setattr(checkpoint._ShardWriter, "_flush", recording_flush)
+    monkeypatch.setattr(model_files.ShardWriter, "_flush", recording_flush)
     summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, max_shard_bytes=20_000,
                                              progress=False)
     largest = max(t.numel() * t.element_size() for t in _tensors(src).values())
