@@ -12,7 +12,7 @@ import torch
 from . import backends, checks
 from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
 from .formats import FORMATS, NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, get_format, resolve_preset
-from .packing import pack_rows, row_bytes, unpack_rows
+from .packing import ceil_div, pack_rows, row_bytes, unpack_rows
 from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
                         encode_stochastic, group_amax, nvfp4_group_scales, nvfp4_tensor_scale, pow2, random_words,
                         scales_from_amax)
@@ -94,7 +94,7 @@ def _rows_and_k(shape, grouping: str) -> Tuple[int, int]:
 
 def _scales_shape(shape, grouping: str, group_size: int) -> Tuple[int, ...]:
     rows, k = _rows_and_k(shape, grouping)
-    n_groups = -(-k // group_size)
+    n_groups = ceil_div(k, group_size)
     return (n_groups,) if grouping == "flat" else (*shape[:-1], n_groups)
 
 
@@ -173,7 +173,7 @@ def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: O
     """
     br, bc = block
     n, k = x2.shape
-    nr, nc = -(-n // br), -(-k // bc)
+    nr, nc = ceil_div(n, br), ceil_div(k, bc)
     x32 = torch.nn.functional.pad(x2.to(torch.float32), (0, nc * bc - k, 0, nr * br - n))
     tiles = x32.view(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr, nc, br * bc)
     amax, nonfinite = group_amax(tiles)
@@ -192,7 +192,7 @@ def _fp32_groups(x2: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp ``(R, K)`` -> fp32 ``(R, ceil(K/G), G)``, the short last group of each row padded with zeros
     (zeros never change a group's amax)."""
     rows, k = x2.shape
-    n_groups = -(-k // group_size)
+    n_groups = ceil_div(k, group_size)
     x32 = x2.to(torch.float32)
     if n_groups * group_size != k:
         x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))
@@ -221,7 +221,7 @@ def _nvfp4_scales(x2: torch.Tensor, group_size: int):
 def _clear_groups(packed: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     """Set every code of the groups in ``zero`` ``(R, n_groups)`` to 0 in the packed rows ``(R, row_bytes)``
     (each group starts on a byte and takes ``ceil(g * bits / 8)`` bytes, SPEC 6)."""
-    group_bytes = -(-group_size * bits // 8)
+    group_bytes = ceil_div(group_size * bits, 8)
     group_of_byte = torch.arange(packed.shape[1], device=packed.device) // group_bytes
     return packed.masked_fill_(zero[:, group_of_byte], 0)
 
@@ -289,7 +289,7 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
     uint8 bytes), ``None`` for fp32 scales (SPEC 3.1).
     """
     rows, k = x2.shape
-    n_groups = -(-k // group_size)
+    n_groups = ceil_div(k, group_size)
     pad = n_groups * group_size - k
     groups = _fp32_groups(x2, group_size)
     amax, nonfinite = group_amax(groups)
@@ -417,7 +417,7 @@ def quantize(
     scales_shape = _scales_shape(shape, grouping, group_size)
     rows, k = _rows_and_k(shape, grouping)
     if scales is not None:  # an owning contiguous copy: the result never aliases the caller's tensor
-        scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, -(-k // group_size))
+        scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, ceil_div(k, group_size))
         scales = scales.clone(memory_format=torch.contiguous_format)
     impl = backends.resolve(backend, x.device)
     stream = None
@@ -478,7 +478,7 @@ def _check_quantized(qt) -> FPFormat:
         if len(qt.shape) != 2 or qt.group_size != bc:
             raise ValueError(f"qt.block={qt.block!r} needs a 2-D shape and group_size == Bc; got shape "
                              f"{tuple(qt.shape)}, group_size={qt.group_size}")
-        scales_shape = (-(-qt.shape[0] // br), -(-qt.shape[1] // bc))
+        scales_shape = (ceil_div(qt.shape[0], br), ceil_div(qt.shape[1], bc))
     if nvfp4:
         t = qt.tensor_scale
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0:
@@ -528,7 +528,7 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
             scales = decode(scales, get_format(NVFP4_SCALE_FORMAT)) * qt.tensor_scale
         if qt.block is not None:  # each tile's scale for each of its rows
             scales = scales.repeat_interleave(qt.block[0], dim=0)[:rows]
-        scales = scales.reshape(rows, -(-k // qt.group_size))
+        scales = scales.reshape(rows, ceil_div(k, qt.group_size))
         if impl is backends.TORCH:
             y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
         else:

@@ -16,7 +16,7 @@ from deepspeed.ops.fp_quantizer import Quantizer
 from . import checks
 from .api import QuantizedTensor, dequantize, draw_seed, quantize
 from .formats import FPFormat, format_from_deepspeed
-from .packing import group_bytes
+from .packing import ceil_div, group_bytes
 
 __all__ = ["FP_Quantize"]
 
@@ -70,7 +70,7 @@ class FP_Quantize(Quantizer):
         return gbytes, gbytes + SCALE_BYTES
 
     def _num_groups(self, numel: int) -> int:
-        return -(-numel // self.group_size)
+        return ceil_div(numel, self.group_size)
 
     def _orig(self) -> Tuple[Optional[tuple], Optional[torch.dtype]]:
         """``orig_shape`` and ``orig_dtype`` (set by quantize or by the caller), checked."""
@@ -291,7 +291,7 @@ class FP_Quantize(Quantizer):
             dtype = fp_out.dtype  # round once, straight to the output dtype (SPEC 5)
         f = format_from_deepspeed(q_bits, q_mantisa_bits)
         numel, slice_numel, g = math.prod(shape), math.prod(shape[1:]), self.group_size
-        span = slice_numel // g if slice_numel % g == 0 else -(-(slice_numel + g - 1) // g)
+        span = slice_numel // g if slice_numel % g == 0 else ceil_div(slice_numel + g - 1, g)  # rows can start mid-group
         if indexes.numel() == 0 or slice_numel == 0:
             self._to_quantized(input_q, scale, f, numel, dtype)  # the buffer is checked all the same
             y = torch.empty(out_shape, dtype=dtype, device=input_q.device)

@@ -29,7 +29,7 @@ from . import backends, checks
 from .api import QuantizedTensor, dequantize, quantize
 from .choices import ACTIVATIONS, BACKENDS
 from .formats import W8A8_GROUP, w8a8_weight_problem
-from .packing import row_bytes
+from .packing import ceil_div, row_bytes
 from .slicing import row_slice
 
 __all__ = ["linear", "QuantizedWeight", "DequantizingTensor", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES", "ACTIVATIONS", "check_w8a8_weight"]
@@ -55,7 +55,7 @@ def _scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
     n, k = qt.shape
     kind = "e4m3" if qt.fmt == "nvfp4" else qt.scale_format
     block_rows = qt.block[0] if qt.block is not None else 1  # blocks: qt.group_size is Bc
-    scales = qt.scales.reshape(-(-n // block_rows), -(-k // qt.group_size)).contiguous()
+    scales = qt.scales.reshape(ceil_div(n, block_rows), ceil_div(k, qt.group_size)).contiguous()
     tensor_scale = float(qt.tensor_scale) if qt.tensor_scale is not None else 1.0
     return scales, kind, block_rows, tensor_scale
 
@@ -96,7 +96,7 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
     b = None if bias is None else bias.to(x2.dtype)
     block_rows = qt.block[0] if qt.block is not None else 1
     rows = max(1, panel_bytes // max(1, k * x2.element_size()))
-    rows = -(-rows // block_rows) * block_rows
+    rows = ceil_div(rows, block_rows) * block_rows
     if rows >= n:
         return F.linear(x2, dequantize(qt, x2.dtype, backend=backend), b)
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)

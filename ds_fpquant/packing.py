@@ -16,6 +16,11 @@ import math
 
 import torch
 
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints ``a >= 0``, ``b >= 1``: counts of groups, blocks and bytes."""
+    return -(-a // b)
+
 __all__ = ["group_bytes", "row_bytes", "codes_per_unit", "bytes_per_unit", "pack_rows", "unpack_rows"]
 
 
@@ -45,7 +50,7 @@ def _pack_segment(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows, n, g = codes.shape
     unit = codes_per_unit(bits)
     nbytes = bytes_per_unit(bits)
-    units = -(-g // unit)
+    units = ceil_div(g, unit)
     padded = torch.zeros((rows, n, units * unit), dtype=torch.int64, device=codes.device)
     padded[..., :g] = codes
     padded = padded.view(rows, n, units, unit)
@@ -61,7 +66,7 @@ def _unpack_segment(packed: torch.Tensor, g: int, bits: int) -> torch.Tensor:
     rows, n, have = packed.shape
     unit = codes_per_unit(bits)
     nbytes = bytes_per_unit(bits)
-    units = -(-g // unit)
+    units = ceil_div(g, unit)
     padded = torch.zeros((rows, n, units * nbytes), dtype=torch.int64, device=packed.device)
     padded[..., :have] = packed
     padded = padded.view(rows, n, units, nbytes)

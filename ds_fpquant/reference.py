@@ -23,6 +23,7 @@ from typing import Tuple
 import torch
 
 from .formats import FPFormat
+from .packing import ceil_div
 
 __all__ = [
     "SCALE_FLOOR",
@@ -152,7 +153,7 @@ def random_words(n: int, seed: int, offset: int, device=None) -> torch.Tensor:
     Element ``i`` takes output word ``i % 4`` of Philox4x32-10 with key ``(seed lo, seed hi)``
     and counter ``(offset lo, offset hi, (i // 4) lo, (i // 4) hi)``.
     """
-    blocks = torch.arange(-(-n // 4), dtype=torch.int64, device=device)
+    blocks = torch.arange(ceil_div(n, 4), dtype=torch.int64, device=device)
     zeros = torch.zeros_like(blocks)
     counter = (zeros + (offset & _U32), zeros + (offset >> 32), blocks & _U32, blocks >> 32)
     words = torch.stack(philox4x32_10(counter, (seed & _U32, seed >> 32)), dim=1)

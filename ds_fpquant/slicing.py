@@ -15,7 +15,7 @@ from typing import List, Sequence
 import torch
 
 from .api import QuantizedTensor
-from .packing import row_bytes
+from .packing import ceil_div, row_bytes
 
 __all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]
 
@@ -30,7 +30,7 @@ def row_slice(qt: QuantizedTensor, r0: int, r1: int, name: str = "qt") -> Quanti
     if not (0 <= r0 < r1 <= n) or r0 % block_rows or (r1 % block_rows and r1 != n):
         raise ValueError(f"{name}: rows {r0}..{r1 - 1} of a ({n}, {k}) weight do not start and end on its "
                          f"{block_rows}-row block boundaries")
-    return replace(qt, codes=qt.codes[r0:r1], scales=qt.scales[r0 // block_rows:-(-r1 // block_rows)],
+    return replace(qt, codes=qt.codes[r0:r1], scales=qt.scales[r0 // block_rows:ceil_div(r1, block_rows)],
                    shape=torch.Size((r1 - r0, k)),  # NVFP4: each piece carries the shared tensor scale
                    tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone())
 
@@ -48,7 +48,7 @@ def column_slice(qt: QuantizedTensor, c0: int, c1: int, name: str = "qt") -> Qua
     bits = qt.format.bits
     start = (c0 // g) * row_bytes(g, g, bits)
     codes = qt.codes[:, start:start + row_bytes(c1 - c0, g, bits)]
-    scales = qt.scales[:, c0 // g:-(-c1 // g)]
+    scales = qt.scales[:, c0 // g:ceil_div(c1, g)]
     return replace(qt, codes=codes.contiguous(), scales=scales.contiguous(), shape=torch.Size((n, c1 - c0)),
                    tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone())
 
