@@ -13,9 +13,8 @@ from . import backends, checks
 from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
 from .formats import FORMATS, NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, get_format, resolve_preset
 from .packing import ceil_div, pack_rows, row_bytes, unpack_rows
-from .reference import (E8M0_BIAS, E8M0_NAN, SCALE_FLOOR, decode, e8m0_decode, e8m0_exponents, encode,
-                        encode_stochastic, group_amax, nvfp4_group_scales, nvfp4_tensor_scale, pow2, random_words,
-                        scales_from_amax)
+from .reference import (SCALE_FLOOR, decode, e8m0_decode, encode, encode_stochastic, group_amax, group_scales,
+                        nvfp4_group_scales, nvfp4_tensor_scale, random_words)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "check_settings"]
 
@@ -176,15 +175,7 @@ def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: O
     nr, nc = ceil_div(n, br), ceil_div(k, bc)
     x32 = torch.nn.functional.pad(x2.to(torch.float32), (0, nc * bc - k, 0, nr * br - n))
     tiles = x32.view(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr, nc, br * bc)
-    amax, nonfinite = group_amax(tiles)
-    fault = nonfinite if not f.has_nan else torch.zeros_like(nonfinite)  # SPEC 3.3
-    if e8m0 is not None:
-        e = e8m0_exponents(amax, f, e8m0)
-        used = pow2(e)
-        stored = torch.where(fault, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
-    else:
-        used = scales_from_amax(amax, f)
-        stored = torch.where(fault, torch.full_like(used, float("nan")), used)
+    stored, used = group_scales(*group_amax(tiles), f, e8m0)
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
@@ -292,13 +283,8 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
     n_groups = ceil_div(k, group_size)
     pad = n_groups * group_size - k
     groups = _fp32_groups(x2, group_size)
-    amax, nonfinite = group_amax(groups)
-    if e8m0 is not None:
-        e = e8m0_exponents(amax, f, e8m0)
-        r = pow2(-e)  # exact: 2^-e
-    else:
-        s = scales_from_amax(amax, f) if given_scales is None else given_scales
-        r = torch.ones((), dtype=torch.float32, device=s.device) / s  # fl(1/s) from the stored s
+    stored, used = group_scales(*group_amax(groups), f, e8m0, given_scales)
+    r = torch.ones((), dtype=torch.float32, device=used.device) / used  # fl(1/s); exact 2^-e for E8M0
     if stream is None:
         codes = encode(groups, r.unsqueeze(-1), f)
     else:  # random word of each element by its flat index (row * K + column), SPEC 4
@@ -307,13 +293,7 @@ def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales:
             words = torch.nn.functional.pad(words, (0, pad))
         codes = encode_stochastic(groups, r.unsqueeze(-1), words.view(rows, n_groups, group_size), f)
     codes = codes.view(rows, n_groups * group_size)[:, :k]
-    if e8m0 is not None:
-        s = (e + E8M0_BIAS).to(torch.uint8)
-        if not f.has_nan:  # SPEC 3.3: the E8M0 NaN byte carries the fault
-            s = torch.where(nonfinite, torch.full_like(s, E8M0_NAN), s)
-    elif not f.has_nan:  # SPEC 3.3: no NaN code, so the group's stored scale carries the fault
-        s = torch.where(nonfinite, torch.full_like(s, float("nan")), s)
-    return pack_rows(codes, group_size, f.bits), s
+    return pack_rows(codes, group_size, f.bits), stored
 
 
 def _dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, k: int, f: FPFormat, group_size: int,

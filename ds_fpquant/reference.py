@@ -18,7 +18,7 @@ Bit picture of the round-to-nearest-even step (SPEC 4) for a target with ``m`` m
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -226,6 +226,24 @@ def e8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     b = byte.to(torch.int64)
     return torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000).to(torch.int32).view(torch.float32),
                        pow2(b - E8M0_BIAS))
+
+
+def group_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: FPFormat, e8m0: Optional[str] = None,
+                 given: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scale of each group (SPEC 3.1-3.3): ``(stored, used)``.
+
+    ``used`` is the fp32 scale the group's elements encode with (``r = fl(1/used)``): ``given`` (a caller's
+    fp32 scales) or ``max(fl(amax/fmax), 2^-126)`` (1 for ``amax == 0``) with fp32 scales, ``2^e`` with E8M0
+    (``e8m0``: ``"ceil"`` / ``"floor"``). ``stored`` is what the tensor keeps: ``used`` as fp32, or the E8M0
+    byte ``e + 127``; and in a format without a NaN code a group with NaN/Inf (``nonfinite``) stores NaN
+    (fp32 NaN, E8M0 byte 255), so the fault stays visible (SPEC 3.3).
+    """
+    fault = nonfinite if not fmt.has_nan else torch.zeros_like(nonfinite)
+    if e8m0 is not None:
+        e = e8m0_exponents(amax, fmt, e8m0)
+        return torch.where(fault, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8), pow2(e)
+    used = scales_from_amax(amax, fmt) if given is None else given
+    return torch.where(fault, torch.full_like(used, float("nan")), used), used
 
 
 # ---- NVFP4 (SPEC 3.4) -----------------------------------------------------------------------------
