@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -12,14 +11,12 @@ import torch
 from . import backends, checks
 from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
 from .formats import FORMATS, NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, get_format, resolve_preset
-from .packing import ceil_div, pack_rows, row_bytes, unpack_rows
-from .reference import (SCALE_FLOOR, decode, e8m0_decode, encode, encode_stochastic, group_amax, group_scales,
-                        nvfp4_group_scales, nvfp4_tensor_scale, random_words)
+from .packing import ceil_div, row_bytes
+from .reference import (SCALE_FLOOR, fp32_groups, fp32_scales, group_amax, group_scales, ieee_denormals,
+                        nvfp4_group_scales, nvfp4_tensor_scale)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "check_settings"]
 
-#: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
-BF16_QUIET_NAN = 0x7FC0
 
 
 @dataclass
@@ -179,17 +176,6 @@ def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: O
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
-def _fp32_groups(x2: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp ``(R, K)`` -> fp32 ``(R, ceil(K/G), G)``, the short last group of each row padded with zeros
-    (zeros never change a group's amax)."""
-    rows, k = x2.shape
-    n_groups = ceil_div(k, group_size)
-    x32 = x2.to(torch.float32)
-    if n_groups * group_size != k:
-        x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))
-    return x32.view(rows, n_groups, group_size)
-
-
 def _nvfp4_scales(x2: torch.Tensor, group_size: int):
     """NVFP4 scales (SPEC 3.4) of ``x2`` ``(R, K)`` in groups of ``group_size`` along K.
 
@@ -200,7 +186,7 @@ def _nvfp4_scales(x2: torch.Tensor, group_size: int):
     2^-128) that ``r = fl(1/s)`` overflows (read as ``s == 0``; SPEC 3.4 does not cover it).
     """
     element, scale_code = get_format(NVFP4_ELEMENT_FORMAT), get_format(NVFP4_SCALE_FORMAT)
-    amax, nonfinite = group_amax(_fp32_groups(x2, group_size))
+    amax, nonfinite = group_amax(fp32_groups(x2, group_size))
     amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
     t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
     c, s = nvfp4_group_scales(amax, t, element, scale_code)
@@ -248,63 +234,6 @@ def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
         raise ValueError(f"scales must be finite and >= 2^-126 (SPEC 3.1) so that r = 1/s is finite; "
                          f"found {first!r}")
     return scales
-
-
-# ---- the torch implementation of the row pipeline (SPEC 2-6) ----------------------------------
-
-_SUBNORMAL = 2.0**-140
-
-
-@contextlib.contextmanager
-def ieee_denormals():
-    """Undo ``torch.set_flush_denormal(True)`` for the calling thread while in scope (SPEC 3.1: no
-    backend flushes subnormals); torch has no getter, so the state is probed with one subnormal."""
-    probe = torch.tensor([_SUBNORMAL]) * torch.tensor([1.0])
-    flushing = probe.item() == 0.0
-    if flushing:
-        torch.set_flush_denormal(False)
-    try:
-        yield
-    finally:
-        if flushing:
-            torch.set_flush_denormal(True)
-
-
-def _quantize_rows(x2: torch.Tensor, f: FPFormat, group_size: int, given_scales: Optional[torch.Tensor],
-                   stream: Optional[Tuple[int, int]] = None,
-                   e8m0: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, scales ``(R, ceil(K/G))``).
-
-    ``stream`` is ``(seed, offset)`` for stochastic rounding, ``None`` for round-to-nearest-even.
-    ``e8m0`` is the E8M0 ``scale_rounding`` (``"ceil"``/``"floor"``, SPEC 3.2; scales are then
-    uint8 bytes), ``None`` for fp32 scales (SPEC 3.1).
-    """
-    rows, k = x2.shape
-    n_groups = ceil_div(k, group_size)
-    pad = n_groups * group_size - k
-    groups = _fp32_groups(x2, group_size)
-    stored, used = group_scales(*group_amax(groups), f, e8m0, given_scales)
-    r = torch.ones((), dtype=torch.float32, device=used.device) / used  # fl(1/s); exact 2^-e for E8M0
-    if stream is None:
-        codes = encode(groups, r.unsqueeze(-1), f)
-    else:  # random word of each element by its flat index (row * K + column), SPEC 4
-        words = random_words(rows * k, *stream, device=x2.device).view(rows, k)
-        if pad:
-            words = torch.nn.functional.pad(words, (0, pad))
-        codes = encode_stochastic(groups, r.unsqueeze(-1), words.view(rows, n_groups, group_size), f)
-    codes = codes.view(rows, n_groups * group_size)[:, :k]
-    return pack_rows(codes, group_size, f.bits), stored
-
-
-def _dequantize_rows(packed: torch.Tensor, scales: torch.Tensor, k: int, f: FPFormat, group_size: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """uint8 ``(R, row_bytes)`` + fp32 scales ``(R, ceil(K/G))`` -> ``dtype`` ``(R, K)`` (SPEC 5)."""
-    values = decode(unpack_rows(packed, k, group_size, f.bits), f)
-    per_element = scales.repeat_interleave(group_size, dim=1)[:, :k]
-    y = (values * per_element).to(dtype)  # one fp32 multiply, then RNE to dtype
-    if dtype == torch.bfloat16:  # one NaN pattern on every backend (torch's cast may give 0xFFFF)
-        y.view(torch.int16).masked_fill_(torch.isnan(y), BF16_QUIET_NAN)
-    return y
 
 
 # ---- public functions ---------------------------------------------------------------------------
@@ -414,11 +343,8 @@ def quantize(
             scales_shape, e8m0 = tuple(stored.shape), None  # encode with the per-segment fp32 scales
         elif nvfp4:  # group scales from two-level scaling, then the row kernels with those scales
             stored, tensor_scale, scales, zero = _nvfp4_scales(x2, g_eff)
-        if impl is backends.TORCH:
-            packed, s = _quantize_rows(x2, f, g_eff, scales, stream, e8m0)
-        else:
-            seed_, offset_ = stream if stream is not None else (0, 0)
-            packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
+        seed_, offset_ = stream if stream is not None else (0, 0)
+        packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
         if zero is not None:
             packed = _clear_groups(packed, zero, g_eff, f.bits)
     return QuantizedTensor(
@@ -501,16 +427,11 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
     impl = backends.resolve(backend, packed.device)
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize
     with torch.no_grad(), ieee_denormals():
-        scales = qt.scales  # every backend takes one fp32 scale per group
-        if qt.scale_format == "e8m0":  # 2^e is exact in fp32 (SPEC 3.2)
-            scales = e8m0_decode(scales)
-        elif qt.fmt == "nvfp4":  # s = fl(decode(c) * t); the NaN code 0x7F gives NaN (SPEC 3.4)
-            scales = decode(scales, get_format(NVFP4_SCALE_FORMAT)) * qt.tensor_scale
+        # every backend takes one fp32 scale per group
+        kind = NVFP4_SCALE_FORMAT if qt.fmt == "nvfp4" else qt.scale_format
+        scales = fp32_scales(qt.scales, kind, qt.tensor_scale)
         if qt.block is not None:  # each tile's scale for each of its rows
             scales = scales.repeat_interleave(qt.block[0], dim=0)[:rows]
         scales = scales.reshape(rows, ceil_div(k, qt.group_size))
-        if impl is backends.TORCH:
-            y = _dequantize_rows(packed, scales, k, f, g_eff, dtype)
-        else:
-            y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
+        y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
     return y.reshape(qt.shape)

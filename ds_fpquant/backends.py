@@ -77,14 +77,17 @@ def op_status(backend: str) -> str:
 
 
 def resolve(backend: str, device: torch.device):
-    """The compiled module to run on ``device`` for ``backend``, or :data:`TORCH`.
+    """The backend to run on ``device`` for ``backend``: a compiled module, or :mod:`ds_fpquant.torch_backend`
+    (the torch reference). All have the same ``quantize`` / ``dequantize`` / ``linear`` functions.
 
     Raises:
         ValueError: ``backend`` names a device the tensor is not on.
         RuntimeError: an explicitly requested compiled op cannot be built or loaded.
     """
+    from . import torch_backend
+
     if backend == TORCH:
-        return TORCH
+        return torch_backend
     if backend in ("cpu", "cuda"):
         if device.type != backend:
             raise ValueError(f"backend={backend!r} needs a {backend} tensor; the input is on {device}")
@@ -94,11 +97,11 @@ def resolve(backend: str, device: torch.device):
         return module
     if device.type not in ("cpu", "cuda"):
         _warn_once(device.type, f"no compiled op for {device.type} tensors")
-        return TORCH
+        return torch_backend
     module, reason = load_op(device.type)
     if module is None:
         _warn_once(device.type, reason)
-        return TORCH
+        return torch_backend
     return module
 
 

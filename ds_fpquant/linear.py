@@ -250,12 +250,10 @@ def _weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[tor
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
-    if x.device.type == "cuda" and (impl is backends.TORCH or x2.shape[0] > GEMV_MAX_ROWS):
-        y = _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES)
-    elif impl is backends.TORCH or x.device.type not in ("cpu", "cuda"):  # 2-D: the bias is added by the GEMM
-        y = F.linear(x2, dequantize(qt, x.dtype, backend=backend), None if bias is None else bias.to(x.dtype))
+    if x.device.type == "cuda" and (not impl.WITH_CUDA or x2.shape[0] > GEMV_MAX_ROWS):
+        y = _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES)  # no GEMV: bounded panels of decoded rows + cuBLAS
     else:
-        y = _fused(impl, x2, qt, bias)
+        y = _fused(impl, x2, qt, bias)  # the backend's linear: fused CPU kernel, CUDA GEMV, or the torch reference
     return y.reshape(*x.shape[:-1], n)
 
 

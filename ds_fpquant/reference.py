@@ -17,12 +17,13 @@ Bit picture of the round-to-nearest-even step (SPEC 4) for a target with ``m`` m
 
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
 
-from .formats import FPFormat
+from .formats import NVFP4_SCALE_FORMAT, FPFormat, get_format
 from .packing import ceil_div
 
 __all__ = [
@@ -228,6 +229,28 @@ def e8m0_decode(byte: torch.Tensor) -> torch.Tensor:
                        pow2(b - E8M0_BIAS))
 
 
+def fp32_groups(x2: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp ``(R, K)`` -> fp32 ``(R, ceil(K/G), G)``, the short last group of each row padded with zeros
+    (zeros never change a group's amax)."""
+    rows, k = x2.shape
+    n_groups = ceil_div(k, group_size)
+    x32 = x2.to(torch.float32)
+    if n_groups * group_size != k:
+        x32 = torch.nn.functional.pad(x32, (0, n_groups * group_size - k))
+    return x32.view(rows, n_groups, group_size)
+
+
+def fp32_scales(scales: torch.Tensor, kind: str, tensor_scale=None) -> torch.Tensor:
+    """Stored group scales as the fp32 scales elements decode with: ``kind`` ``"fp32"`` as stored, ``"e8m0"``
+    ``2^(b - 127)`` with 255 NaN (SPEC 3.2, exact), ``"e4m3"`` NVFP4's ``fl(decode(c) * t)`` (SPEC 3.4; the NaN
+    code gives NaN)."""
+    if kind == "e8m0":
+        return e8m0_decode(scales)
+    if kind == NVFP4_SCALE_FORMAT:
+        return decode(scales, get_format(NVFP4_SCALE_FORMAT)) * tensor_scale
+    return scales
+
+
 def group_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: FPFormat, e8m0: Optional[str] = None,
                  given: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scale of each group (SPEC 3.1-3.3): ``(stored, used)``.
@@ -278,3 +301,23 @@ def nvfp4_group_scales(amax: torch.Tensor, t: torch.Tensor, element: FPFormat,
     ratio = (amax / _device_scalar(element.fmax, amax)) / t
     c = encode(ratio, torch.ones((), dtype=torch.float32, device=amax.device), scale_code)
     return c, decode(c, scale_code) * t
+
+
+# ---- IEEE subnormals on every backend (SPEC 3.1) --------------------------------------------------
+
+_SUBNORMAL = 2.0**-140
+
+
+@contextlib.contextmanager
+def ieee_denormals():
+    """Undo ``torch.set_flush_denormal(True)`` for the calling thread while in scope (SPEC 3.1: no
+    backend flushes subnormals); torch has no getter, so the state is probed with one subnormal."""
+    probe = torch.tensor([_SUBNORMAL]) * torch.tensor([1.0])
+    flushing = probe.item() == 0.0
+    if flushing:
+        torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(True)

@@ -21,17 +21,16 @@ struct FormatEntry {
     const char* name;
     fpq::Format id;
 };
-constexpr FormatEntry kFormats[] = {
-    {"e4m3", fpq::Format::kE4M3}, {"e5m2", fpq::Format::kE5M2}, {"e3m2", fpq::Format::kE3M2},
-    {"e2m3", fpq::Format::kE2M3}, {"e2m1", fpq::Format::kE2M1}, {"e4m7", fpq::Format::kE4M7},
-};
+#define FPQ_FORMAT_ENTRY(Type, name, ebits, mbits, top) {name, fpq::Format::k##Type},
+constexpr FormatEntry kFormats[] = {FPQ_FORMATS(FPQ_FORMAT_ENTRY)};
+#undef FPQ_FORMAT_ENTRY
 
 fpq::Format parse_format(const std::string& name)
 {
     for (const auto& entry : kFormats) {
         if (name == entry.name) { return entry.id; }
     }
-    TORCH_CHECK_VALUE(false, "fmt='", name, "' is not supported; allowed: ", fpq::kSupportedFormats);
+    TORCH_CHECK_VALUE(false, "fmt='", name, "' is not supported; allowed: ", fpq::supported_formats());
 }
 
 fpq::DType parse_dtype(at::ScalarType t, const char* what)

@@ -130,16 +130,13 @@ void quantize_rows(const QuantizeArgs& a)
         bool nonfinite = false;
         const uint32_t amax_bits = group_amax_bits(xs, g.len, nonfinite);
         if constexpr (kStochastic) { fill_random_words(a.seed, a.offset, g.row * a.k + g.start, g.len, words); }
-        // SPEC 3.3: a format without a NaN code carries the fault in the stored scale.
-        const bool fault = !F::kHasNan && nonfinite;
+        const GroupScale s = group_scale<F>(amax_bits, nonfinite, a.scale_mode,
+                                            a.given_scales ? a.given_scales + g.index : nullptr);
+        encode_group<F, kStochastic>(xs, g.len, s.multiplier, words, a.codes + g.byte_offset, scratch);
         if (a.scale_mode == ScaleMode::kFp32) {
-            const float s = a.given_scales ? a.given_scales[g.index] : scale_from_amax<F>(bits_f32(amax_bits));
-            encode_group<F, kStochastic>(xs, g.len, multiplier_from_scale(s), words, a.codes + g.byte_offset, scratch);
-            a.scales[g.index] = fault ? bits_f32(kF32QuietNan) : s;
+            a.scales[g.index] = s.stored;
         } else {
-            const int e = e8m0_exponent<F>(amax_bits, a.scale_mode == ScaleMode::kE8m0Ceil);
-            encode_group<F, kStochastic>(xs, g.len, pow2f(-e), words, a.codes + g.byte_offset, scratch);
-            a.scale_bytes[g.index] = uint8_t(fault ? kE8m0Nan : uint32_t(e + kE8m0Bias));
+            a.scale_bytes[g.index] = s.stored_byte;
         }
     });
 }

@@ -121,12 +121,22 @@ struct FormatTraits {
     static_assert(kEmin - kM + kF32Bias > 0, "subnormal step must be a normal fp32");
 };
 
-using E4M3 = FormatTraits<4, 3, TopCode::kNanOnlyAllOnes>;  // max 1.75 * 2^8 = 448
-using E5M2 = FormatTraits<5, 2, TopCode::kIeee>;            // max 1.75 * 2^15 = 57344
-using E3M2 = FormatTraits<3, 2, TopCode::kFinite>;          // max 1.75 * 2^4 = 28
-using E2M3 = FormatTraits<2, 3, TopCode::kFinite>;          // max 1.875 * 2^2 = 7.5
-using E2M1 = FormatTraits<2, 1, TopCode::kFinite>;          // max 1.5 * 2^2 = 6
-using E4M7 = FormatTraits<4, 7, TopCode::kFinite>;          // max (2 - 2^-7) * 2^8 = 510
+// The element formats, once (SPEC 1): X(Type, name, exponent bits, mantissa bits, top code). The traits
+// types (E4M3, ...), the Format ids, the dispatch switch, the supported-formats message and the binding's
+// name table are all generated from this list. Max finite values: e4m3 1.75 * 2^8 = 448, e5m2
+// 1.75 * 2^15 = 57344, e3m2 1.75 * 2^4 = 28, e2m3 1.875 * 2^2 = 7.5, e2m1 1.5 * 2^2 = 6,
+// e4m7 (2 - 2^-7) * 2^8 = 510.
+#define FPQ_FORMATS(X)                                  \
+    X(E4M3, "e4m3", 4, 3, TopCode::kNanOnlyAllOnes)     \
+    X(E5M2, "e5m2", 5, 2, TopCode::kIeee)               \
+    X(E3M2, "e3m2", 3, 2, TopCode::kFinite)             \
+    X(E2M3, "e2m3", 2, 3, TopCode::kFinite)             \
+    X(E2M1, "e2m1", 2, 1, TopCode::kFinite)             \
+    X(E4M7, "e4m7", 4, 7, TopCode::kFinite)
+
+#define FPQ_TRAITS_ALIAS(Type, name, ebits, mbits, top) using Type = FormatTraits<ebits, mbits, top>;
+FPQ_FORMATS(FPQ_TRAITS_ALIAS)
+#undef FPQ_TRAITS_ALIAS
 
 // ---------------------------------------------------------------------------------------------
 // Scales (SPEC 3.1)
@@ -183,6 +193,33 @@ FPQ_HD int e8m0_exponent(uint32_t amax_bits, bool ceil)
     if (ceil && (bits & 0x7fffffu) > (F::kFmaxBits & 0x7fffffu)) { ++e; }
     e = e > kCap ? kCap : e;
     return e < -127 ? -127 : e;
+}
+
+// The scale of one group (SPEC 3.1-3.3), the one rule both kernels use: the multiplier r its elements
+// encode with (fl(1/s) from the stored fp32 s, or the exact 2^-e for E8M0) and what is stored: the fp32
+// scale (`given`, a caller's, or from amax) or the E8M0 byte e + 127. In a format without a NaN code, a
+// group holding NaN/Inf (`nonfinite`) stores NaN instead (fp32 quiet NaN, byte 255): SPEC 3.3.
+struct GroupScale {
+    float multiplier;
+    float stored;          // ScaleMode::kFp32
+    uint8_t stored_byte;   // the E8M0 modes
+};
+
+template <class F>
+FPQ_HD GroupScale group_scale(uint32_t amax_bits, bool nonfinite, ScaleMode mode, const float* given)
+{
+    const bool fault = !F::kHasNan && nonfinite;
+    GroupScale out{0.0f, 0.0f, 0};
+    if (mode == ScaleMode::kFp32) {
+        const float s = given ? *given : scale_from_amax<F>(bits_f32(amax_bits));
+        out.multiplier = multiplier_from_scale(s);
+        out.stored = fault ? bits_f32(kF32QuietNan) : s;
+    } else {
+        const int e = e8m0_exponent<F>(amax_bits, mode == ScaleMode::kE8m0Ceil);
+        out.multiplier = pow2f(-e);
+        out.stored_byte = uint8_t(fault ? kE8m0Nan : uint32_t(e + kE8m0Bias));
+    }
+    return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,7 +436,13 @@ FPQ_HD uint16_t f32_to_fp16_bits(float f)
 // switches on these ids and raises (listing the supported values) on anything else.
 // ---------------------------------------------------------------------------------------------
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-enum class Format : int { kE4M3 = 0, kE5M2 = 1, kE3M2 = 2, kE2M3 = 3, kE2M1 = 4, kE4M7 = 5 };
+#define FPQ_FORMAT_ID(Type, name, ebits, mbits, top) k##Type,
+enum class Format : int { FPQ_FORMATS(FPQ_FORMAT_ID) };  // kE4M3 = 0, ... in the list's order
+#undef FPQ_FORMAT_ID
+#define FPQ_FORMAT_NAME(Type, name, ebits, mbits, top) name,
+constexpr const char* kFormatNames[] = {FPQ_FORMATS(FPQ_FORMAT_NAME)};  // indexed by Format
+#undef FPQ_FORMAT_NAME
+constexpr int kNumFormats = int(sizeof(kFormatNames) / sizeof(kFormatNames[0]));
 
 struct Fp16 { uint16_t bits; };
 struct Bf16 { uint16_t bits; };

@@ -76,22 +76,26 @@ FPQ_HD float linear_scale_at(const LinearArgs& a, int64_t n, int64_t g)
     return mul_rn(decode<E4M3>(byte), a.tensor_scale);
 }
 
-constexpr const char* kSupportedFormats = "e4m3, e5m2, e3m2, e2m3, e2m1, e4m7";
+// "e4m3, e5m2, ...": the formats of FPQ_FORMATS, for error messages.
+inline std::string supported_formats()
+{
+    std::string out;
+    for (int i = 0; i < kNumFormats; ++i) { out += std::string(i ? ", " : "") + kFormatNames[i]; }
+    return out;
+}
 
 // The one dispatch point: calls fn(Traits{}) for the format, raises on anything else.
 template <class Fn>
 decltype(auto) dispatch_format(Format fmt, Fn&& fn)
 {
+#define FPQ_DISPATCH_CASE(Type, name, ebits, mbits, top) \
+    case Format::k##Type: return fn(Type{});
     switch (fmt) {
-        case Format::kE4M3: return fn(E4M3{});
-        case Format::kE5M2: return fn(E5M2{});
-        case Format::kE3M2: return fn(E3M2{});
-        case Format::kE2M3: return fn(E2M3{});
-        case Format::kE2M1: return fn(E2M1{});
-        case Format::kE4M7: return fn(E4M7{});
+        FPQ_FORMATS(FPQ_DISPATCH_CASE)
     }
+#undef FPQ_DISPATCH_CASE
     throw std::invalid_argument("ds_fpquant: unknown format id " + std::to_string(int(fmt)) +
-                                "; supported formats: " + kSupportedFormats);
+                                "; supported formats: " + supported_formats());
 }
 
 template <class Fn>

@@ -297,13 +297,11 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
 
         // 2. scale (SPEC 3.1 fp32, or 3.2 E8M0) and the multiplier from the stored scale; a format
         //    without a NaN code carries a NaN/Inf in the stored scale (SPEC 3.3)
-        const bool fault = !F::kHasNan && nonfinite;
-        const bool e8m0 = a.scale_mode != ScaleMode::kFp32;
-        const float s = a.given_scales ? a.given_scales[index] : scale_from_amax<F>(bits_f32(amax_bits));
-        const int e = e8m0_exponent<F>(amax_bits, a.scale_mode == ScaleMode::kE8m0Ceil);
-        const float r = e8m0 ? pow2f(-e) : multiplier_from_scale(s);
-        if (t.lane == 0 && e8m0) { a.scale_bytes[index] = uint8_t(fault ? kE8m0Nan : uint32_t(e + kE8m0Bias)); }
-        if (t.lane == 0 && !e8m0) { a.scales[index] = fault ? bits_f32(kF32QuietNan) : s; }
+        const GroupScale scale = group_scale<F>(amax_bits, nonfinite != 0u, a.scale_mode,
+                                                a.given_scales ? a.given_scales + index : nullptr);
+        const float r = scale.multiplier;
+        if (t.lane == 0 && a.scale_mode != ScaleMode::kFp32) { a.scale_bytes[index] = scale.stored_byte; }
+        if (t.lane == 0 && a.scale_mode == ScaleMode::kFp32) { a.scales[index] = scale.stored; }
 
         // 3. encode and pack; 8 codes take exactly `bits` bytes
         uint8_t* dst = a.codes + row * g.row_bytes + (index % g.n_groups) * g.group_bytes;

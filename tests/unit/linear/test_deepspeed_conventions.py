@@ -25,13 +25,6 @@ DEEPSPEED_DEFAULT = {8: "e4m3", 12: "e4m7", 6: "e3m2", 4: "e2m1"}
 OWN_MANTISSA = {"e4m3": 3, "e4m7": 7, "e3m2": 2, "e2m1": 1}
 
 
-@pytest.fixture
-def patched():
-    fpq.patch_deepspeed()
-    yield
-    fpq.unpatch_deepspeed()
-
-
 def _reference(x, fmt, group_size):
     return fpq.quantize(x, fmt, group_size, grouping="flat", backend="torch")
 

@@ -5,16 +5,9 @@ import pytest
 import torch
 from deepspeed.linear import LoRAConfig, OptimizedLinear, QuantizationConfig
 
-import ds_fpquant as fpq
+pytestmark = pytest.mark.usefixtures("patched")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def patched():
-    fpq.patch_deepspeed()
-    yield
-    fpq.unpatch_deepspeed()
 
 
 def _check(layer, batch=5, features=64):

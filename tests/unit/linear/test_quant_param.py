@@ -17,13 +17,6 @@ from unit.oracle import assert_bitwise_equal
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def patched():
-    fpq.patch_deepspeed()
-    yield
-    fpq.unpatch_deepspeed()
-
-
 def _param(data, q_bits=8, mantissa_bits=3, group_size=64):
     cfg = QuantizationConfig(q_bits=q_bits, mantissa_bits=mantissa_bits, group_size=group_size)
     return QuantizedParameter(data, quantization_config=cfg, quantizer=FP_Quantize(cfg))

@@ -32,3 +32,13 @@ def emulated_ops(_emulated_ops_session):
 def sm90(emulated_ops):
     """The emulated sm_90 op."""
     return emulated_ops[900]
+
+
+@pytest.fixture
+def quiet_fallback():
+    """The torch fallback's one-time RuntimeWarning (no compiled op for a device) is not the test's subject."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield

@@ -3,7 +3,6 @@
 import copy
 import pickle
 import struct
-import warnings
 
 import numpy as np
 import pytest
@@ -14,15 +13,10 @@ import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
 from unit.oracle import assert_bitwise_equal, bits_of, encode, pack_group, quantize_rows, to_numpy32
 
+pytestmark = pytest.mark.usefixtures("quiet_fallback")
+
 DS_FORMATS = [(8, 3, "e4m3"), (8, 2, "e5m2"), (6, 2, "e3m2"), (4, 1, "e2m1"), (12, 7, "e4m7")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 def _expected_buffer(x: torch.Tensor, fmt: str, g: int) -> np.ndarray:

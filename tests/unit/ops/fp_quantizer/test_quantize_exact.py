@@ -15,18 +15,12 @@ import ds_fpquant as fpq
 from unit.oracle import (assert_bitwise_equal, bf16_all_patterns, fp16_all_patterns, quantize_rows, to_numpy32,
                          unpack_group)
 
+pytestmark = pytest.mark.usefixtures("quiet_fallback")
+
 FORMATS = list(fpq.FORMATS)
 # Fixed scales: 1 (codes are a plain cast), a non-power of two (r = fl(1/s) is inexact), tiny and huge.
 FIXED_SCALES = [1.0, 0.3, 2.0**-10, 1000.0]
 GROUP = 1024
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 def _q(target, x, *args, **kwargs):
