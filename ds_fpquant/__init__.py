@@ -4,8 +4,9 @@ Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`Quan
 DeepSpeed drop-in :class:`FP_Quantize`, and the format table :data:`FORMATS`.
 """
 
-from .api import QuantizedTensor, dequantize, quantize
+from .api import dequantize, quantize
 from .formats import FORMATS, PRESETS, FPFormat, get_format
+from .quantized_tensor import QuantizedTensor
 
 __version__ = "0.1.0"
 

@@ -1,107 +1,23 @@
-"""Native API (docs/api.md): ``quantize``, ``dequantize`` and ``QuantizedTensor``."""
+"""Native API (docs/api.md): ``quantize`` and ``dequantize`` (``QuantizedTensor`` is in :mod:`ds_fpquant.quantized_tensor`)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
 from . import backends, checks
 from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
-from .formats import FORMATS, NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, get_format, resolve_preset
+from .formats import NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, element_format, get_format, resolve_preset
 from .packing import ceil_div, row_bytes
+from .quantized_tensor import QuantizedTensor, _validate, check_block, codes_shape_for, rows_and_k, scales_shape_for
 from .reference import (SCALE_FLOOR, fp32_groups, fp32_scales, group_amax, group_scales, ieee_denormals,
                         nvfp4_group_scales, nvfp4_tensor_scale)
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "check_settings"]
 
 
-
-@dataclass
-class QuantizedTensor:
-    """Codes and scales of one quantized tensor (a plain dataclass, not a tensor subclass).
-
-    Attributes:
-        codes: ``torch.uint8``. Row grouping: ``(*shape[:-1], row_bytes)`` with each row's groups
-            packed one after another (SPEC 6); for 8-bit formats ``codes.shape == shape`` and
-            ``codes.view(torch.float8_e4m3fn)`` (or ``float8_e5m2``) is valid. Flat grouping: 1-D.
-        scales: one per group, ``(*shape[:-1], ceil(K/G))`` for row grouping, ``(ceil(numel/G),)``
-            for flat grouping: ``torch.float32`` (SPEC 3.1), E8M0 bytes ``torch.uint8`` (SPEC 3.2) or,
-            for ``fmt="nvfp4"``, e4m3 codes ``torch.uint8`` (SPEC 3.4; ``.view(torch.float8_e4m3fn)``).
-        shape, dtype: the original tensor's shape and dtype.
-        fmt, group_size, grouping, block, scale_format: as passed to :func:`quantize` (presets
-            resolved: an MX preset has ``group_size=32, scale_format="e8m0"``, ``"nvfp4"`` has
-            ``group_size=16, scale_format="e4m3"``).
-        tensor_scale: ``fmt="nvfp4"`` only: the 0-d fp32 per-tensor scale ``t`` (SPEC 3.4); ``None``
-            otherwise.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    shape: torch.Size
-    dtype: torch.dtype
-    fmt: str
-    group_size: int
-    grouping: str = "row"
-    block: Optional[Tuple[int, int]] = None
-    scale_format: str = "fp32"
-    tensor_scale: Optional[torch.Tensor] = None
-
-    @property
-    def format(self) -> FPFormat:
-        """The element format's entry of the format table (a preset's element format)."""
-        return element_format(self.fmt)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of codes plus scales (plus the NVFP4 tensor scale)."""
-        tensors = (self.codes, self.scales) + (() if self.tensor_scale is None else (self.tensor_scale,))
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def dequantize(self, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
-        """Same as :func:`dequantize` (``dequantize(self, dtype)``)."""
-        return dequantize(self, dtype, backend=backend)
-
-    def validate(self) -> "QuantizedTensor":
-        """Check that the fields agree with each other as :func:`quantize` makes them (format, preset,
-        grouping, block, codes and scales dtypes and shapes, NVFP4 tensor scale, one device); returns
-        ``self``. Values are not inspected.
-
-        Raises:
-            TypeError, ValueError: naming the field (``qt.codes``, ``qt.scales``, ...).
-        """
-        _check_quantized(self)
-        return self
-
-
 # ---- argument checks (SPEC 7) -----------------------------------------------------------------
-
-
-def _rows_and_k(shape, grouping: str) -> Tuple[int, int]:
-    """View a tensor of ``shape`` as ``rows x K`` (SPEC 2)."""
-    numel = math.prod(shape)
-    if grouping == "flat":
-        return 1, numel
-    k = shape[-1] if len(shape) else 1
-    return math.prod(shape[:-1]), k
-
-
-def _scales_shape(shape, grouping: str, group_size: int) -> Tuple[int, ...]:
-    rows, k = _rows_and_k(shape, grouping)
-    n_groups = ceil_div(k, group_size)
-    return (n_groups,) if grouping == "flat" else (*shape[:-1], n_groups)
-
-
-def _codes_shape(shape, grouping: str, group_size: int, bits: int) -> Tuple[int, ...]:
-    rows, k = _rows_and_k(shape, grouping)
-    nbytes = row_bytes(k, group_size, bits)
-    if grouping == "flat":
-        return (nbytes,)
-    if not shape:  # a 0-d tensor is one row of one element; 8-bit codes keep the input's shape
-        return () if bits == 8 else (nbytes,)
-    return (*shape[:-1], nbytes)
 
 
 def check_settings(fmt: str = "e4m3", group_size: Optional[int] = None, *, grouping: str = "row",
@@ -116,14 +32,14 @@ def check_settings(fmt: str = "e4m3", group_size: Optional[int] = None, *, group
         TypeError, ValueError: as :func:`quantize` (SPEC 7).
     """
     if block is not None and group_size is not None:
-        bc = _check_block(block, None, "row")[1]
+        bc = check_block(block, None, "row")[1]
         if checks.check_int("group_size", group_size, 1) != bc:
             raise ValueError(f"block={tuple(block)!r} fixes the groups to Bc={bc} codes; got group_size={group_size} "
                              f"(leave group_size out with block)")
     group_size, scale_format = resolve_preset(fmt, group_size, scale_format)
     _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     if block is not None:
-        block = _check_block(block, None, grouping)
+        block = check_block(block, None, grouping)
         group_size = block[1]  # rows of codes are cut into segments of Bc (SPEC 6)
     return group_size, scale_format, block
 
@@ -146,18 +62,6 @@ def _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rou
         raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim ({source}); "
                          f"block={block!r} cannot be combined with it")
     return f
-
-
-def _check_block(block, x, grouping) -> Tuple[int, int]:
-    if not isinstance(block, (tuple, list)) or len(block) != 2:
-        raise TypeError(f"block must be a (Br, Bc) pair of ints >= 1, got {block!r}")
-    br, bc = checks.check_int("block[0]", block[0], 1), checks.check_int("block[1]", block[1], 1)
-    if x is not None and x.dim() != 2:
-        raise ValueError(f"block={(br, bc)} needs a 2-D tensor; x has shape {tuple(x.shape)}")
-    if grouping != "row":
-        raise ValueError(f"block={(br, bc)} lays codes out by rows (SPEC 6); grouping must be 'row', "
-                         f"got {grouping!r}")
-    return br, bc
 
 
 def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: Optional[str]):
@@ -201,22 +105,6 @@ def _clear_groups(packed: torch.Tensor, zero: torch.Tensor, group_size: int, bit
     group_bytes = ceil_div(group_size * bits, 8)
     group_of_byte = torch.arange(packed.shape[1], device=packed.device) // group_bytes
     return packed.masked_fill_(zero[:, group_of_byte], 0)
-
-
-def element_format(fmt) -> FPFormat:
-    """The element format of ``fmt``: a format name, or a preset's element format (docs/api.md).
-
-    Raises:
-        TypeError, ValueError: ``fmt`` is not a str, or names neither a format nor a preset.
-    """
-    if isinstance(fmt, str) and fmt in PRESETS:
-        return get_format(PRESETS[fmt][0])
-    if isinstance(fmt, FPFormat) or (isinstance(fmt, str) and fmt in FORMATS):
-        return get_format(fmt)
-    allowed = ", ".join([*FORMATS, *PRESETS])
-    if not isinstance(fmt, str):
-        raise TypeError(f"fmt must be a str, got {type(fmt).__name__} ({fmt!r}); allowed: {allowed}")
-    raise ValueError(f"fmt={fmt!r} is not supported; allowed: {allowed}")
 
 
 def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
@@ -319,12 +207,12 @@ def quantize(
                          f"scale_format={scale_format!r}")
     e8m0 = scale_rounding if scale_format == "e8m0" else None
     if block is not None:
-        _check_block(block, x, grouping)
+        check_block(block, x, grouping)
         if scales is not None:
             raise ValueError("scales= cannot be combined with block=: the block scales come from the tiles' amax")
     shape = tuple(x.shape)
-    scales_shape = _scales_shape(shape, grouping, group_size)
-    rows, k = _rows_and_k(shape, grouping)
+    scales_shape = scales_shape_for(shape, grouping, group_size)
+    rows, k = rows_and_k(shape, grouping)
     if scales is not None:  # an owning contiguous copy: the result never aliases the caller's tensor
         scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, ceil_div(k, group_size))
         scales = scales.clone(memory_format=torch.contiguous_format)
@@ -348,7 +236,7 @@ def quantize(
         if zero is not None:
             packed = _clear_groups(packed, zero, g_eff, f.bits)
     return QuantizedTensor(
-        codes=packed.reshape(_codes_shape(shape, grouping, group_size, f.bits)),
+        codes=packed.reshape(codes_shape_for(shape, grouping, group_size, f.bits)),
         scales=(s if stored is None else stored).reshape(scales_shape),
         shape=torch.Size(shape),
         dtype=x.dtype,
@@ -359,48 +247,6 @@ def quantize(
         scale_format=scale_format,
         tensor_scale=tensor_scale,
     )
-
-
-def _check_quantized(qt) -> FPFormat:
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"qt must be a ds_fpquant.QuantizedTensor, got {type(qt).__name__}")
-    f = element_format(qt.fmt)
-    checks.check_int("qt.group_size", qt.group_size, 1)
-    checks.check_choice("qt.grouping", qt.grouping, GROUPINGS)
-    checks.check_shape("qt.shape", qt.shape)
-    checks.check_float_dtype("qt.dtype", qt.dtype)
-    nvfp4 = qt.fmt == "nvfp4"
-    checks.check_choice("qt.scale_format", qt.scale_format, (NVFP4_SCALE_FORMAT,) if nvfp4 else SCALE_FORMATS)
-    if qt.fmt in PRESETS:
-        _, preset_g, preset_scales = PRESETS[qt.fmt]
-        if (qt.group_size, qt.scale_format, qt.block) != (preset_g, preset_scales, None):
-            raise ValueError(f"fmt={qt.fmt!r} means group_size={preset_g}, scale_format={preset_scales!r}, no block; "
-                             f"qt has group_size={qt.group_size}, scale_format={qt.scale_format!r}, block={qt.block!r}")
-    codes_shape = _codes_shape(qt.shape, qt.grouping, qt.group_size, f.bits)
-    checks.check_byte_tensor("qt.codes", qt.codes, codes_shape)
-    scales_shape = _scales_shape(qt.shape, qt.grouping, qt.group_size)
-    if qt.block is not None:
-        br, bc = _check_block(qt.block, None, qt.grouping)
-        if len(qt.shape) != 2 or qt.group_size != bc:
-            raise ValueError(f"qt.block={qt.block!r} needs a 2-D shape and group_size == Bc; got shape "
-                             f"{tuple(qt.shape)}, group_size={qt.group_size}")
-        scales_shape = (ceil_div(qt.shape[0], br), ceil_div(qt.shape[1], bc))
-    if nvfp4:
-        t = qt.tensor_scale
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0:
-            raise TypeError(f"qt.tensor_scale must be a 0-d float32 tensor for fmt='nvfp4' (SPEC 3.4), got "
-                            f"{t if not isinstance(t, torch.Tensor) else f'{t.dtype} of shape {tuple(t.shape)}'}")
-        checks.check_device("qt.tensor_scale", t, qt.codes.device)
-    elif qt.tensor_scale is not None:
-        raise ValueError(f"qt.tensor_scale is only used by fmt='nvfp4'; it must be None for fmt={qt.fmt!r}")
-    scale_dtype = torch.float32 if qt.scale_format == "fp32" else torch.uint8
-    if not isinstance(qt.scales, torch.Tensor) or qt.scales.dtype != scale_dtype:
-        raise TypeError(f"qt.scales must be a {str(scale_dtype).replace('torch.', '')} tensor for "
-                        f"scale_format={qt.scale_format!r}, got {getattr(qt.scales, 'dtype', type(qt.scales).__name__)}")
-    if tuple(qt.scales.shape) != scales_shape:
-        raise ValueError(f"qt.scales has shape {tuple(qt.scales.shape)}; expected {scales_shape}")
-    checks.check_device("qt.scales", qt.scales, qt.codes.device)
-    return f
 
 
 def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
@@ -418,11 +264,11 @@ def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, back
         TypeError, ValueError: ``qt`` is inconsistent (codes/scales of the wrong dtype or shape) or
             ``dtype`` is not supported.
     """
-    f = _check_quantized(qt)
+    f = _validate(qt)
     dtype = qt.dtype if dtype is None else dtype
     checks.check_float_dtype("dtype", dtype)
     checks.check_choice("backend", backend, BACKENDS)
-    rows, k = _rows_and_k(qt.shape, qt.grouping)
+    rows, k = rows_and_k(qt.shape, qt.grouping)
     packed = qt.codes.view(torch.uint8).reshape(rows, row_bytes(k, qt.group_size, f.bits))
     impl = backends.resolve(backend, packed.device)
     g_eff = min(qt.group_size, max(k, 1))  # as in quantize

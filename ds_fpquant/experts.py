@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import checks
-from .api import QuantizedTensor, dequantize, quantize
+from .api import dequantize, quantize
+from .quantized_tensor import QuantizedTensor
 from .choices import ACTIVATIONS
 from .linear import DequantizingTensor, QuantizedWeight, check_w8a8_weight
 from .module import COMPUTE_DTYPES

@@ -283,3 +283,19 @@ def w8a8_weight_problem(fmt: str, scale_format: str, group_size: int, block) -> 
         return None
     return (f"activation='e4m3' (W8A8) needs e4m3 weights with fp32 scales in groups of 128 or (128, 128) "
             f"blocks; got fmt={fmt!r}, group_size={group_size}, block={block}, scale_format={scale_format!r}")
+
+
+def element_format(fmt) -> FPFormat:
+    """The element format of ``fmt``: a format name, or a preset's element format (docs/api.md).
+
+    Raises:
+        TypeError, ValueError: ``fmt`` is not a str, or names neither a format nor a preset.
+    """
+    if isinstance(fmt, str) and fmt in PRESETS:
+        return get_format(PRESETS[fmt][0])
+    if isinstance(fmt, FPFormat) or (isinstance(fmt, str) and fmt in FORMATS):
+        return get_format(fmt)
+    allowed = ", ".join([*FORMATS, *PRESETS])
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt must be a str, got {type(fmt).__name__} ({fmt!r}); allowed: {allowed}")
+    raise ValueError(f"fmt={fmt!r} is not supported; allowed: {allowed}")

@@ -14,7 +14,8 @@ import torch
 from deepspeed.ops.fp_quantizer import Quantizer
 
 from . import checks
-from .api import QuantizedTensor, dequantize, draw_seed, quantize
+from .api import dequantize, draw_seed, quantize
+from .quantized_tensor import QuantizedTensor
 from .formats import FPFormat, format_from_deepspeed
 from .packing import ceil_div, group_bytes
 

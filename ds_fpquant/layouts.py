@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from . import __version__
-from .api import QuantizedTensor
+from .quantized_tensor import QuantizedTensor
 from .choices import ALL_SCALE_FORMATS
 from .formats import FORMATS, PRESETS
 from .model_files import CONFIG

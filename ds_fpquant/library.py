@@ -20,7 +20,8 @@ from typing import List, Optional
 
 import torch
 
-from .api import QuantizedTensor, dequantize
+from .api import dequantize
+from .quantized_tensor import QuantizedTensor
 
 __all__ = ["linear", "dequantize_weight", "as_op_args"]
 

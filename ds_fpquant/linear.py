@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import backends, checks
-from .api import QuantizedTensor, dequantize, quantize
+from .api import dequantize, quantize
+from .quantized_tensor import QuantizedTensor
 from .choices import ACTIVATIONS, BACKENDS
 from .formats import W8A8_GROUP, w8a8_weight_problem
 from .packing import ceil_div, row_bytes

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checks
-from .api import QuantizedTensor, quantize
+from .api import quantize
+from .quantized_tensor import QuantizedTensor
 from .choices import ACTIVATIONS, COMPUTE_DTYPE_NAMES
 from .linear import QuantizedWeight, check_w8a8_weight
 from .linear import linear as fused_linear

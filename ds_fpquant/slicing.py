@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from .api import QuantizedTensor
+from .quantized_tensor import QuantizedTensor
 from .packing import ceil_div, row_bytes
 
 __all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "fp_codec.h"
+#include "fp_io.h"
 
 namespace fpq {
 

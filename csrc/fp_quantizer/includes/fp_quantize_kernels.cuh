@@ -43,11 +43,23 @@ __device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes)
 }
 
 // ---- loads and stores of one chunk -------------------------------------------------------------
+//
+// kAligned (chosen once per launch by chunks_aligned, as TransformerEngine does): every chunk of kChunk
+// elements starts on 16 bytes, so full chunks take one or two 16-byte vector accesses; otherwise every
+// chunk goes element by element.
 
-template <class T>
+// Whether every chunk the kernels access at a group's start plus a multiple of kChunk elements is
+// 16-byte aligned: the base pointer is, and row (k) and group (group_size) strides keep it so.
+inline bool chunks_aligned(const void* base, int64_t k, int64_t group_size, int64_t elem_bytes)
+{
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (k * elem_bytes) % 16 == 0 &&
+           (group_size * elem_bytes) % 16 == 0 && (kChunk * elem_bytes) % 16 == 0;
+}
+
+template <bool kAligned, class T>
 __device__ __forceinline__ void load_chunk(const T* p, int64_t n_valid, float (&v)[kChunk])
 {
-    if (n_valid >= kChunk && aligned_to(p, 16)) {
+    if (kAligned && n_valid >= kChunk) {
         if constexpr (sizeof(T) == 2) {
             const uint4 raw = *reinterpret_cast<const uint4*>(p);
             const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw);
@@ -65,10 +77,10 @@ __device__ __forceinline__ void load_chunk(const T* p, int64_t n_valid, float (&
     for (int j = 0; j < kChunk; ++j) { v[j] = j < n_valid ? load_f32(p[j]) : 0.0f; }
 }
 
-template <class T>
+template <bool kAligned, class T>
 __device__ __forceinline__ void store_chunk(T* p, int64_t n_valid, const float (&v)[kChunk])
 {
-    if (n_valid >= kChunk && aligned_to(p, 16)) {
+    if (kAligned && n_valid >= kChunk) {
         if constexpr (sizeof(T) == 2) {
             uint4 raw;
             uint16_t* h = reinterpret_cast<uint16_t*>(&raw);
@@ -262,7 +274,7 @@ __device__ __forceinline__ uint32_t team_max(uint32_t v, int team_log2)
 
 // ---- kernels -----------------------------------------------------------------------------------
 
-template <class F, class T, bool kStochastic>
+template <class F, class T, bool kStochastic, bool kAligned>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geometry g, int team_log2)
 {
     const TeamIndex t = team_index(team_log2);
@@ -282,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
         uint32_t amax_bits = 0, nonfinite = 0;
         for (int64_t c = t.lane; c < n_chunks; c += (1 << team_log2)) {
             float v[kChunk];
-            load_chunk(xs + c * kChunk, len - c * kChunk, v);
+            load_chunk<kAligned>(xs + c * kChunk, len - c * kChunk, v);
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
                 const uint32_t ab = f32_bits(v[j]) & kF32AbsMask;
@@ -308,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
         const int64_t nbytes = group_bytes(len, F::kBits);
         for (int64_t c = t.lane; c < n_chunks; c += (1 << team_log2)) {
             float v[kChunk];
-            load_chunk(xs + c * kChunk, len - c * kChunk, v);
+            load_chunk<kAligned>(xs + c * kChunk, len - c * kChunk, v);
             uint32_t codes[kChunk];
             if constexpr (kStochastic) {
                 uint32_t u[kChunk];
@@ -324,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeArgs a, Geom
     }
 }
 
-template <class F, class T>
+template <class F, class T, bool kAligned>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(DequantizeArgs a, Geometry g, int team_log2)
 {
     const TeamIndex t = team_index(team_log2);
@@ -345,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(DequantizeArgs a, 
             float v[kChunk];
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) { v[j] = __fmul_rn(decode<F>(codes[j]), s); }
-            store_chunk(dst + c * kChunk, len - c * kChunk, v);
+            store_chunk<kAligned>(dst + c * kChunk, len - c * kChunk, v);
         }
     }
 }
@@ -363,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(DequantizeArgs a, 
 constexpr int kGemvChunk = 16;
 constexpr int kGemvWarps = kThreads / 32;  // weight rows per block
 
-template <class F, class T>
+template <class F, class T, bool kAligned>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a)
 {
     constexpr int kBytes = 2 * F::kBits;
@@ -407,7 +419,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float xv[kChunk];
-                load_chunk(x + m * k + k0 + half * kChunk, n_valid - half * kChunk, xv);
+                load_chunk<kAligned>(x + m * k + k0 + half * kChunk, n_valid - half * kChunk, xv);
 #pragma unroll
                 for (int j = 0; j < kChunk; ++j) {
                     if (half * kChunk + j < n_valid) { acc[m] = __fmaf_rn(w[half][j], xv[j], acc[m]); }
@@ -450,13 +462,17 @@ inline dim3 grid_for(int64_t total_groups, int team_log2, int64_t max_blocks = k
 template <class F, class T>
 auto kernel_for(const QuantizeArgs& a)
 {
-    return a.stochastic ? quantize_kernel<F, T, true> : quantize_kernel<F, T, false>;
+    if (chunks_aligned(a.x, a.k, a.group_size, sizeof(T))) {
+        return a.stochastic ? quantize_kernel<F, T, true, true> : quantize_kernel<F, T, false, true>;
+    }
+    return a.stochastic ? quantize_kernel<F, T, true, false> : quantize_kernel<F, T, false, false>;
 }
 
 template <class F, class T>
-auto kernel_for(const DequantizeArgs&)
+auto kernel_for(const DequantizeArgs& a)
 {
-    return dequantize_kernel<F, T>;
+    return chunks_aligned(a.out, a.k, a.group_size, sizeof(T)) ? dequantize_kernel<F, T, true>
+                                                                 : dequantize_kernel<F, T, false>;
 }
 
 // The one place that picks a kernel and its launch shape: dispatches on (format, dtype) and calls
@@ -485,8 +501,11 @@ void launch_gemv(Format fmt, const GemvArgs& args, Launch&& launch)
     dispatch_format(fmt, [&](auto f) {
         dispatch_dtype(args.w.weight_dtype, [&](auto tag) {
             if (args.w.n == 0 || args.w.m == 0) { return; }
-            launch(gemv_kernel<decltype(f), decltype(tag)>, dim3(unsigned(ceil_div(args.w.n, kGemvWarps))),
-                   dim3(kThreads));
+            using F = decltype(f);
+            using T = decltype(tag);
+            const bool aligned = chunks_aligned(args.x, args.w.k, args.w.group_size, sizeof(T));
+            launch(aligned ? gemv_kernel<F, T, true> : gemv_kernel<F, T, false>,
+                   dim3(unsigned(ceil_div(args.w.n, kGemvWarps))), dim3(kThreads));
         });
     });
 }

@@ -40,8 +40,9 @@ MUTANTS = {
         "for (int offset = (1 << team_log2) >> 1; offset > 1; offset >>= 1) {"),
     "missing active guard (lanes past the last group write its scale)": (
         KERNELS, "        if (!active) { continue; }\n", ""),
-    "16-byte load without the alignment check": (
-        KERNELS, "if (n_valid >= kChunk && aligned_to(p, 16)) {", "if (n_valid >= kChunk) {"),
+    "16-byte loads chosen without the base pointer's alignment": (
+        KERNELS, "return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (k * elem_bytes) % 16 == 0 &&",
+        "return (k * elem_bytes) % 16 == 0 &&"),
     "warp-divergent group loop (no warp offset: teams of a warp leave the loop at different trips)": (
         KERNELS, "const int64_t warp_offset = (threadIdx.x & 31) >> team_log2;", "const int64_t warp_offset = 0;"),
     "hardware fp8 pair unpacked in the wrong byte order": (

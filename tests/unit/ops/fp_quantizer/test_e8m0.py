@@ -131,7 +131,7 @@ def test_mx_preset_at_flt_max_is_finite(target, preset):
     """The reported case: mxfp4 of [FLT_MAX, 1, ...] gave scale byte 253 and code 4.0, so 4 * 2^126 = Inf."""
     x = torch.tensor([[3.4028235e38] + [1.0] * 31], device=target.device)
     y = fpq.dequantize(fpq.quantize(x, preset, backend=target.backend), backend=target.backend)
-    f = fpq.api.element_format(preset)
+    f = fpq.formats.element_format(preset)
     assert torch.isfinite(y).all() and y[0, 0].item() == f.fmax * 2.0 ** (127 - f.emax)
 
 
