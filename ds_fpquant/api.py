@@ -8,11 +8,11 @@ import torch
 
 from . import backends, checks
 from .choices import BACKENDS, GROUPINGS, NVFP4_SCALE_FORMAT, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
-from .formats import NVFP4_ELEMENT_FORMAT, PRESETS, FPFormat, element_format, get_format, resolve_preset
+from .formats import PRESETS, FPFormat, element_format, resolve_preset
 from .packing import ceil_div, row_bytes
 from .quantized_tensor import QuantizedTensor, _validate, check_block, codes_shape_for, rows_and_k, scales_shape_for
-from .reference import (SCALE_FLOOR, fp32_groups, fp32_scales, group_amax, group_scales, ieee_denormals,
-                        nvfp4_group_scales, nvfp4_tensor_scale)
+from .reference import fp32_scales, ieee_denormals
+from .scales import block_scales, check_given_scales, clear_groups, nvfp4_scales
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "check_settings"]
 
@@ -62,66 +62,6 @@ def _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rou
         raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim ({source}); "
                          f"block={block!r} cannot be combined with it")
     return f
-
-
-def _block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: Optional[str]):
-    """2-D blocks (SPEC 2, 3): (stored tile scales ``(ceil(N/Br), ceil(K/Bc))``, and the fp32 scale of
-    each (row, Bc-segment) ``(N, ceil(K/Bc))`` that the row kernels encode with).
-
-    Codes are laid out exactly as row grouping with ``G = Bc``; only the scales differ, so every
-    backend quantizes with these per-segment scales and gives the same bits.
-    """
-    br, bc = block
-    n, k = x2.shape
-    nr, nc = ceil_div(n, br), ceil_div(k, bc)
-    x32 = torch.nn.functional.pad(x2.to(torch.float32), (0, nc * bc - k, 0, nr * br - n))
-    tiles = x32.view(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr, nc, br * bc)
-    stored, used = group_scales(*group_amax(tiles), f, e8m0)
-    return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
-
-
-def _nvfp4_scales(x2: torch.Tensor, group_size: int):
-    """NVFP4 scales (SPEC 3.4) of ``x2`` ``(R, K)`` in groups of ``group_size`` along K.
-
-    Returns ``(stored, t, used, zero)``: the stored e4m3 group scale codes (uint8 ``(R, ceil(K/G))``,
-    ``0x7F`` for a group with NaN/Inf), the 0-d fp32 tensor scale ``t``, the fp32 scale each group's
-    elements encode with (``s = fl(decode(c) * t)``; 1.0 where ``zero``, whose codes are then cleared)
-    and the bool mask of the groups whose codes are all 0: ``s == 0``, or ``s`` so small (below
-    2^-128) that ``r = fl(1/s)`` overflows (read as ``s == 0``; SPEC 3.4 does not cover it).
-    """
-    element, scale_code = get_format(NVFP4_ELEMENT_FORMAT), get_format(NVFP4_SCALE_FORMAT)
-    amax, nonfinite = group_amax(fp32_groups(x2, group_size))
-    amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
-    t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
-    c, s = nvfp4_group_scales(amax, t, element, scale_code)
-    zero = ~torch.isfinite(torch.ones((), dtype=torch.float32, device=s.device) / s)
-    stored = torch.where(nonfinite, scale_code.nan_code, c).to(torch.uint8)  # SPEC 3.4: 0x7F marks the fault
-    return stored, t, torch.where(zero, torch.ones_like(s), s), zero
-
-
-def _clear_groups(packed: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
-    """Set every code of the groups in ``zero`` ``(R, n_groups)`` to 0 in the packed rows ``(R, row_bytes)``
-    (each group starts on a byte and takes ``ceil(g * bits / 8)`` bytes, SPEC 6)."""
-    group_bytes = ceil_div(group_size * bits, 8)
-    group_of_byte = torch.arange(packed.shape[1], device=packed.device) // group_bytes
-    return packed.masked_fill_(zero[:, group_of_byte], 0)
-
-
-def _check_given_scales(scales, expected_shape, device) -> torch.Tensor:
-    if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"scales must be a torch.Tensor of float32, got {type(scales).__name__}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"scales.dtype={scales.dtype} is not supported; allowed: torch.float32")
-    if tuple(scales.shape) != tuple(expected_shape):
-        raise ValueError(f"scales has shape {tuple(scales.shape)}; expected {tuple(expected_shape)} "
-                         f"(one scale per group, SPEC 2)")
-    checks.check_device("scales", scales, device)
-    bad = ~(torch.isfinite(scales) & (scales >= SCALE_FLOOR))
-    if bool(bad.any()):
-        first = scales.reshape(-1)[bad.reshape(-1)][0].item()
-        raise ValueError(f"scales must be finite and >= 2^-126 (SPEC 3.1) so that r = 1/s is finite; "
-                         f"found {first!r}")
-    return scales
 
 
 # ---- public functions ---------------------------------------------------------------------------
@@ -214,7 +154,7 @@ def quantize(
     scales_shape = scales_shape_for(shape, grouping, group_size)
     rows, k = rows_and_k(shape, grouping)
     if scales is not None:  # an owning contiguous copy: the result never aliases the caller's tensor
-        scales = _check_given_scales(scales, scales_shape, x.device).reshape(rows, ceil_div(k, group_size))
+        scales = check_given_scales(scales, scales_shape, x.device).reshape(rows, ceil_div(k, group_size))
         scales = scales.clone(memory_format=torch.contiguous_format)
     impl = backends.resolve(backend, x.device)
     stream = None
@@ -227,14 +167,14 @@ def quantize(
         x2 = x.detach().resolve_neg().resolve_conj().contiguous().reshape(rows, k)
         stored = tensor_scale = zero = None
         if block is not None:
-            stored, scales = _block_scales(x2, f, block, e8m0)
+            stored, scales = block_scales(x2, f, block, e8m0)
             scales_shape, e8m0 = tuple(stored.shape), None  # encode with the per-segment fp32 scales
         elif nvfp4:  # group scales from two-level scaling, then the row kernels with those scales
-            stored, tensor_scale, scales, zero = _nvfp4_scales(x2, g_eff)
+            stored, tensor_scale, scales, zero = nvfp4_scales(x2, g_eff)
         seed_, offset_ = stream if stream is not None else (0, 0)
         packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
         if zero is not None:
-            packed = _clear_groups(packed, zero, g_eff, f.bits)
+            packed = clear_groups(packed, zero, g_eff, f.bits)
     return QuantizedTensor(
         codes=packed.reshape(codes_shape_for(shape, grouping, group_size, f.bits)),
         scales=(s if stored is None else stored).reshape(scales_shape),

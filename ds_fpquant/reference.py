@@ -252,16 +252,22 @@ def fp32_scales(scales: torch.Tensor, kind: str, tensor_scale=None) -> torch.Ten
 
 
 def group_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: FPFormat, e8m0: Optional[str] = None,
-                 given: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The scale of each group (SPEC 3.1-3.3): ``(stored, used)``.
+                 given: Optional[torch.Tensor] = None,
+                 tensor_scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scale of each group (SPEC 3.1-3.4), the one rule every Python path uses: ``(stored, used)``.
 
     ``used`` is the fp32 scale the group's elements encode with (``r = fl(1/used)``): ``given`` (a caller's
     fp32 scales) or ``max(fl(amax/fmax), 2^-126)`` (1 for ``amax == 0``) with fp32 scales, ``2^e`` with E8M0
-    (``e8m0``: ``"ceil"`` / ``"floor"``). ``stored`` is what the tensor keeps: ``used`` as fp32, or the E8M0
-    byte ``e + 127``; and in a format without a NaN code a group with NaN/Inf (``nonfinite``) stores NaN
-    (fp32 NaN, E8M0 byte 255), so the fault stays visible (SPEC 3.3).
+    (``e8m0``: ``"ceil"`` / ``"floor"``), ``fl(decode(c) * t)`` for NVFP4 (``tensor_scale`` ``t``, SPEC 3.4).
+    ``stored`` is what the tensor keeps: ``used`` as fp32, the E8M0 byte ``e + 127``, or NVFP4's e4m3 code
+    ``c``; and in a format without a NaN code a group with NaN/Inf (``nonfinite``) stores NaN (fp32 NaN, E8M0
+    byte 255, e4m3 code 0x7F), so the fault stays visible (SPEC 3.3).
     """
     fault = nonfinite if not fmt.has_nan else torch.zeros_like(nonfinite)
+    if tensor_scale is not None:
+        scale_code = get_format(NVFP4_SCALE_FORMAT)
+        c, used = nvfp4_group_scales(amax, tensor_scale, fmt, scale_code)
+        return torch.where(fault, scale_code.nan_code, c).to(torch.uint8), used
     if e8m0 is not None:
         e = e8m0_exponents(amax, fmt, e8m0)
         return torch.where(fault, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8), pow2(e)
