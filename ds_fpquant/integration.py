@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -152,8 +153,12 @@ def _split(config, kwargs: Dict[str, Any]):
     return section, data, kwargs
 
 
-def init_inference(model: torch.nn.Module, config=None, **kwargs):
+def init_inference(model, config=None, **kwargs):
     """``deepspeed.init_inference`` with the ``fp_quantization`` section applied.
+
+    ``model`` is an ``nn.Module``, or the path of a full-precision Hugging Face checkpoint directory, which
+    is quantized while it is loaded (:func:`ds_fpquant.load_quantized` with ``fp_quantization``), so the
+    full-precision model is never held.
 
     ``config`` (dict or JSON path) holds both the ``fp_quantization`` section and ordinary
     ``init_inference`` keys (the section may also be passed as ``fp_quantization=``; without it the
@@ -172,7 +177,14 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
             shard would cut a group or block, or that AutoTP splits into several ranges (names the layer).
     """
     section, rest, kwargs = _split(config, kwargs)
-    return _init_inference(model, load_config({SECTION: section or {}}), rest, kwargs)
+    fp_config = load_config({SECTION: section or {}})
+    if isinstance(model, (str, os.PathLike)):  # a checkpoint directory: quantized while it is loaded
+        _check_kernel_inject(torch.nn.Module(), fp_config.enabled, rest, kwargs)
+        from .loader import load_quantized
+
+        model = load_quantized(model, fp_quantization=fp_config)
+        fp_config = None
+    return _init_inference(model, fp_config, rest, kwargs)
 
 
 def _init_inference(model: torch.nn.Module, fp_config: Optional[FPQuantizationConfig], rest: Dict[str, Any],

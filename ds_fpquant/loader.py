@@ -16,6 +16,7 @@ from .checkpoint_keys import CheckpointKeys
 from .experts import install_quantized_experts
 from .layouts import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
 from .model_files import iter_tensors, linear_modules, meta_model, model_dir, read_config, shard_files, tensor_headers
+from .api import quantize
 from .slicing import join_rows
 
 __all__ = ["load_quantized"]
@@ -24,32 +25,47 @@ __all__ = ["load_quantized"]
 STACK_SUFFIXES = {"_scale_inv": "weight_scale_inv", "_scale_2": "weight_scale_2", "_scale": "weight_scale", "": "weight"}
 
 
-def load_quantized(path, *, model_class=None, backend: str = "auto", compute_dtype: Optional[str] = None):
-    """Build the model of a quantized checkpoint with :class:`~ds_fpquant.module.FPQuantizedLinear`
-    layers holding the codes and scales as stored: no full-precision copy of a quantized weight is
-    ever made (the module tree is built on the meta device and every tensor is assigned from the
-    file).
+def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str = "auto",
+                   compute_dtype: Optional[str] = None):
+    """Build a quantized transformers model from a checkpoint directory, with
+    :class:`~ds_fpquant.module.FPQuantizedLinear` layers and quantized expert stacks: no full-precision copy of
+    the model is ever held (the module tree is built on the meta device and every tensor is assigned as it
+    is read).
 
-    Reads both layouts of :func:`quantize_checkpoint`, including block-FP8 checkpoints written by
-    other tools (``quant_method: "fp8"`` with ``weight_block_size``, e.g. DeepSeek-V3 style).
+    - A quantized checkpoint (``fp_quantization=None``): the codes and scales as stored, in either layout of
+      :func:`~ds_fpquant.quantize_checkpoint`, including block-FP8 checkpoints written by other tools
+      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style).
+    - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
+      read once; a linear or expert weight the settings select is quantized as it is read, everything else
+      assigned as read. The result is bit-identical to :func:`ds_fpquant.apply` on the model
+      ``from_pretrained`` loads, with the same settings (same module patterns, excludes and defaults).
 
     Args:
-        path: the checkpoint directory (``config.json`` with ``quantization_config``).
+        path: the checkpoint directory (``config.json``; with ``quantization_config`` unless
+            ``fp_quantization`` is given).
+        fp_quantization: the ``fp_quantization`` section (dict), a DeepSpeed config (dict or JSON path)
+            holding it, or an :class:`~ds_fpquant.config.FPQuantizationConfig`; ``None`` for a quantized
+            checkpoint. Its ``backend``, ``compute_dtype`` and ``activation`` apply to the layers.
         model_class: the transformers class to build; default: ``config.architectures[0]``.
-        backend, compute_dtype: as for :class:`~ds_fpquant.module.FPQuantizedLinear`.
+        backend, compute_dtype: as for :class:`~ds_fpquant.module.FPQuantizedLinear` (quantized
+            checkpoints; with ``fp_quantization`` the section's own apply).
 
     Returns:
         the model on the CPU in eval mode (move it with ``.to(device)``).
 
     Raises:
-        ValueError, TypeError: not a model directory; no or an invalid ``quantization_config``; tensors
-            that are missing, damaged or do not fit the model (the message names the module).
+        ValueError, TypeError: not a model directory; no or an invalid ``quantization_config`` (quantized
+            checkpoints), or a quantized checkpoint given ``fp_quantization``, or ``exclude`` / ``modules``
+            patterns that match no linear module or expert parameter; tensors that are missing, damaged or
+            do not fit the model (the message names the module).
     """
     from .integration import _parent
     from .module import FPQuantizedLinear
 
     path = model_dir(path, "path")
     hf_config = read_config(path)
+    if fp_quantization is not None:
+        return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
     qconfig = getattr(hf_config, "quantization_config", None)
     own = check_qconfig(qconfig, path)
     del hf_config.quantization_config  # build the plain model; its linears are replaced below
@@ -235,3 +251,86 @@ def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: C
         module._is_hf_initialized = not pending
     if hasattr(model, "initialize_weights"):
         model.initialize_weights()
+
+
+def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
+    """:func:`load_quantized` of a full-precision checkpoint with ``fp_quantization`` settings."""
+    from .config import load_config
+    from .experts import install_quantized_experts
+    from .integration import _as_linear, _parent
+    from .module import FPQuantizedLinear
+
+    config = load_config(fp_quantization)
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"path={str(path)!r} is already quantized (quantization_config="
+                         f"{hf_config.quantization_config}); load it without fp_quantization")
+    model = meta_model(hf_config, model_class)
+    linears, keys = linear_modules(model), CheckpointKeys(model)
+    _check_patterns(config, [*linears, *keys.params])
+    files = shard_files(path)
+    headers = tensor_headers(files)
+    stored = {name: key for key in headers if (name := keys.module(key, ".weight", linears)) is not None}
+    plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
+    expert_plan = {key: part for key in headers if key not in plan and (part := keys.part(key)) is not None
+                   and config.settings_for(part.target) is not None}
+    keys.check_parts(expert_plan, {key: headers[key][1] for key in expert_plan})
+    stacks = {key: target for key in headers if (target := keys.fused(key)) is not None
+              and config.settings_for(target) is not None}
+    biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}
+    dtype = getattr(hf_config, "dtype", None)  # what from_pretrained gives the weights (its dtype="auto")
+    dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
+    layer = dict(compute_dtype=config.compute_dtype, backend=config.backend, activation=config.activation)
+    weights, bias_of, experts, pending, state = {}, {}, {}, {}, {}
+    for key, tensor in iter_tensors(files):
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if key in plan:
+            weights[plan[key]] = tensor
+        elif key in biases:
+            bias_of[biases[key]] = tensor
+        elif key in expert_plan:  # an expert's gate, up or down: its fused row block quantized as apply does
+            part = expert_plan[key]
+            parts = pending.setdefault((part.target, part.expert), {})
+            parts[part.part] = tensor
+            if len(parts) == part.parts:
+                del pending[(part.target, part.expert)]
+                matrix = torch.cat([parts[i] for i in range(part.parts)])
+                experts.setdefault(part.target, {})[part.expert] = quantize(
+                    matrix, **config.settings_for(part.target), backend=config.backend)
+        elif key in stacks:
+            experts[stacks[key]] = dict(enumerate(quantize(tensor[e], **config.settings_for(stacks[key]),
+                                                           backend=config.backend) for e in range(tensor.shape[0])))
+        else:
+            state[key] = tensor
+        for name in [n for n in weights if n in bias_of or stored[n][:-len("weight")] + "bias" not in headers]:
+            module = model.get_submodule(name)  # weight (and bias) read: quantize it now, drop the tensor
+            linear = _as_linear(_with_weights(module, weights.pop(name), bias_of.pop(name, None)))
+            parent, child = _parent(model, name)
+            setattr(parent, child, FPQuantizedLinear.from_linear(linear, **layer, **config.settings_for(name)))
+    for target, by_expert in experts.items():
+        module_name, pname = keys.params[target]
+        install_quantized_experts(model.get_submodule(module_name), pname, [by_expert[e] for e in sorted(by_expert)],
+                                  **layer)
+    _assign_rest(model, state, keys)
+    enable_save_pretrained(model)
+    return model.eval()
+
+
+def _with_weights(module: torch.nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+    """``module`` (an ``nn.Linear`` or ``Conv1D`` on the meta device) holding ``weight`` and ``bias`` as read."""
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return module
+
+
+def _check_patterns(config, names) -> None:
+    """``exclude`` and ``modules`` patterns the caller gave must each match a linear module or expert
+    parameter (as the checkpoint tool requires): a pattern that matches nothing would change nothing."""
+    import re
+
+    given = [*(config.exclude if "exclude" in config.model_fields_set else ()), *config.modules]
+    unmatched = [p for p in given if not any(re.search(p, name) for name in names)]
+    if unmatched:
+        raise ValueError(f"fp_quantization patterns {unmatched} match none of the {len(names)} linear modules and "
+                         f"expert parameters (e.g. {', '.join(list(names)[:3])}); nothing would change for them")

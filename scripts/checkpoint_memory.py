@@ -1,4 +1,6 @@
-"""Peak memory of ``ds-fpquant quantize`` on a random model saved in shards (docs/checkpoints.md, "Memory").
+"""Peak memory of ``ds-fpquant quantize`` on a random model saved in shards (docs/checkpoints.md, "Memory"),
+or with ``--load`` of quantizing while loading (``load_quantized(SRC, fp_quantization=...)``) against
+``from_pretrained`` + ``apply``, each in its own child process.
 
 Builds a random GPT-2 or Mixtral (MoE) model whose fp32 weights are about ``--mb`` MB, saves it with
 ``save_pretrained`` in shards, runs the command in a child process and samples its ``/proc/<pid>/status``
@@ -7,6 +9,7 @@ kernel can drop). Prints the peak anonymous memory next to the process's memory 
 the largest source tensor, the output shard limit and the largest expert (gate + up) it may hold.
 
     python scripts/checkpoint_memory.py --model mixtral --mb 1200 --max-shard-size 64
+    python scripts/checkpoint_memory.py --model gpt2 --mb 1200 --load
 """
 
 import argparse
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=1200, help="fp32 weights of the random model, MB")
     parser.add_argument("--max-shard-size", type=int, default=64, help="output shard limit, MiB")
     parser.add_argument("--fmt", default="e4m3")
+    parser.add_argument("--load", action="store_true", help="measure quantize-while-loading against "
+                        "from_pretrained + apply instead of the quantize command")
     args = parser.parse_args()
     import torch
     from safetensors import safe_open
@@ -93,6 +98,9 @@ def main() -> None:
                     sizes[k] = torch.Size(s.get_shape()).numel() * 4
         imports = _run_sampled([sys.executable, "-c", "import torch, transformers, safetensors, ds_fpquant.checkpoint, "
                                 "ds_fpquant.api; ds_fpquant.api.quantize(torch.zeros(2, 2), 'e4m3')"])
+        if args.load:
+            _compare_loads(src, args.fmt, sizes, imports)
+            return
         run = _run_sampled([sys.executable, "-m", "ds_fpquant", "quantize", str(src), str(dst), "--fmt", args.fmt,
                             "--max-shard-size", str(args.max_shard_size), "--no-progress", "--allow-partial-blocks"])
         largest = max(sizes.values())
@@ -106,6 +114,32 @@ def main() -> None:
         result["anon_above_imports_MB"] = result["peak_anon_MB"] - result["after_imports_anon_MB"]
         print(run["stdout"].strip().splitlines()[0])
         print(json.dumps(result, indent=1))
+
+
+LOAD = """
+import sys, torch, transformers, ds_fpquant as fpq
+src, fmt, way = sys.argv[1:]
+section = {"fmt": fmt, "block": [128, 128]}
+if way == "load_quantized":
+    model = fpq.load_quantized(src, fp_quantization=section)
+else:
+    model = fpq.apply(transformers.AutoModelForCausalLM.from_pretrained(src), {"fp_quantization": section})
+print(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
+"""
+
+
+def _compare_loads(src: Path, fmt: str, sizes: dict, imports: dict) -> None:
+    runs = {way: _run_sampled([sys.executable, "-c", LOAD, str(src), fmt, way])
+            for way in ("load_quantized", "from_pretrained + apply")}
+    model_bytes = int(runs["load_quantized"]["stdout"].strip().splitlines()[-1])
+    print("| way | peak anonymous MB | above imports MB | peak mapped input MB | s |")
+    print("|---|---|---|---|---|")
+    for way, run in runs.items():
+        print(f"| {way} | {run['RssAnon'] / 1e6:.0f} | {(run['RssAnon'] - imports['RssAnon']) / 1e6:.0f} | "
+              f"{run['RssFile'] / 1e6:.0f} | {run['seconds']:.1f} |")
+    print(f"fp32 weights {sum(sizes.values()) / 1e6:.0f} MB, quantized model (parameters + buffers) "
+          f"{model_bytes / 1e6:.0f} MB, largest tensor {max(sizes.values()) / 1e6:.1f} MB, after imports "
+          f"{imports['RssAnon'] / 1e6:.0f} MB")
 
 
 if __name__ == "__main__":
