@@ -280,7 +280,7 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
     dtype = getattr(hf_config, "dtype", None)  # what from_pretrained gives the weights (its dtype="auto")
     dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
     layer = dict(compute_dtype=config.compute_dtype, backend=config.backend, activation=config.activation)
-    weights, bias_of, experts, pending, state = {}, {}, {}, {}, {}
+    weights, bias_of, experts, pending, state, kept_experts = {}, {}, {}, {}, {}, {}
     for key, tensor in iter_tensors(files):
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -300,6 +300,8 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
         elif key in stacks:
             experts[stacks[key]] = dict(enumerate(quantize(tensor[e], **config.settings_for(stacks[key]),
                                                            backend=config.backend) for e in range(tensor.shape[0])))
+        elif (part := keys.part(key)) is not None:  # an excluded expert's matrix: stacked as transformers does
+            kept_experts.setdefault(part.target, {})[(part.expert, part.part)] = {"weight": tensor}
         else:
             state[key] = tensor
         for name in [n for n in weights if n in bias_of or stored[n][:-len("weight")] + "bias" not in headers]:
@@ -311,6 +313,8 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
         module_name, pname = keys.params[target]
         install_quantized_experts(model.get_submodule(module_name), pname, [by_expert[e] for e in sorted(by_expert)],
                                   **layer)
+    for target, by_part in kept_experts.items():  # full precision: the (E, out, in) parameter, no quantization
+        _load_expert_parts(model, keys, target, by_part, None, None, state, None, None)
     _assign_rest(model, state, keys)
     enable_save_pretrained(model)
     return model.eval()
