@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from .api import check_settings, quantize
-from .checkpoint_keys import CheckpointKeys, expert_parameters
+from .checkpoint_keys import CheckpointKeys, check_patterns
 from .formats import FORMATS
 from .layouts import FP8_DTYPES, FP8_METHOD, OWN_METHOD, quantization_config, to_parts, whole_blocks
 from .model_files import (CONFIG, DEFAULT_MAX_SHARD_BYTES, ShardWriter, clear_output, copy_other_files, iter_tensors,
@@ -72,8 +72,6 @@ class PartialBlocksWarning(UserWarning):
     """Weights kept in full precision by the ``allow_partial_blocks`` rule of :func:`quantize_checkpoint`."""
 
 
-#: safetensors dtypes of the weights that can be quantized (fp32 / fp16 / bf16, SPEC 2).
-QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
@@ -140,32 +138,11 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     headers = tensor_headers(files)
     meta = meta_model(hf_config)
     linears, keys = linear_modules(meta), CheckpointKeys(meta)
-    names = [*linears, *expert_parameters(meta)]
-    unmatched = [p for p in exclude if not any(re.search(p, name) for name in names)]
-    if unmatched:
-        raise ValueError(f"exclude patterns {unmatched} match none of the {len(names)} linear modules and expert "
-                         f"parameters (e.g. {', '.join(names[:3])}); nothing would be excluded by them")
-    stored: Dict[str, str] = {}
-    for key in headers:
-        name = keys.module(key, ".weight", linears)
-        if name is not None and stored.setdefault(name, key) != key:
-            raise ValueError(f"{stored[name]} and {key} are both the weight of {name}")
-    plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
-    expert_plan = {key: part for key in headers if key not in plan and (part := keys.part(key)) is not None
-                   and config.settings_for(part.target) is not None}
-    fused_plan = {key: target for key in headers if (target := keys.fused(key)) is not None
-                  and config.settings_for(target) is not None}
+    check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
+    selected = keys.plan(headers, linears, config.settings_for)
+    plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks
     # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
     unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
-    keys.check_parts(expert_plan, {key: headers[key][1] for key in expert_plan})
-    bad_stacks = {key: headers[key][1] for key, target in fused_plan.items() if headers[key][1] != keys.shape(target)}
-    if bad_stacks:
-        raise ValueError(f"these expert stacks do not have the (experts, out, in) shape of the model's parameter: "
-                         f"{bad_stacks}")
-    bad = {key: headers[key][0] for key in [*plan, *expert_plan, *fused_plan] if headers[key][0] not in QUANTIZABLE_DTYPES}
-    if bad:
-        raise ValueError(f"these linear weights cannot be quantized (dtypes {', '.join(QUANTIZABLE_DTYPES)} only): "
-                         f"{bad}; exclude them with exclude=[...]")
     kept_partial = []
     if method == FP8_METHOD and not allow_partial_blocks:
         # what transformers' FP8 loader (and others inferring the block as rows // scale_rows) misreads or refuses
@@ -282,7 +259,7 @@ def _write_stack(writer: "ShardWriter", key: str, qts, method: str) -> None:
 def _quantized_parts(model: torch.nn.Module):
     """(name -> (QuantizedTensor, bias)) of the FPQuantizedLinear layers and (``<module>.<param>`` ->
     per-expert QuantizedTensors) of the quantized expert stacks of ``model``."""
-    from .experts import _expert_views
+    from .experts import expert_views
     from .module import FPQuantizedLinear, is_weight_quantized
 
     layers, stacks = {}, {}
@@ -293,7 +270,7 @@ def _quantized_parts(model: torch.nn.Module):
             raise ValueError(f"{name} is a tensor-parallel shard quantized in place (AutoTP): save the tp=1 model, "
                              f"or quantize the original checkpoint with `ds-fpquant quantize`")
         for pname, meta in getattr(module, "_fpq_experts", {}).items():
-            stacks[f"{name}.{pname}" if name else pname] = _expert_views(module, pname, meta)
+            stacks[f"{name}.{pname}" if name else pname] = expert_views(module, pname, meta)
     return layers, stacks
 
 

@@ -4,7 +4,9 @@ which expert's matrix.
 A checkpoint may name a tensor differently from the model built from it: with or without the base-model
 prefix (``bert.``, ``model.``), under the names the model was released with (Mixtral's
 ``block_sparse_moe`` is ``mlp`` in transformers 5), and, for mixture-of-experts layers, one matrix per
-expert where the model has one 3-D parameter. transformers 5 holds a MoE layer's experts as 3-D parameters ``(E, out, in)`` (``experts.gate_up_proj``,
+expert where the model has one 3-D parameter.
+
+transformers 5 holds a MoE layer's experts as 3-D parameters ``(E, out, in)`` (``experts.gate_up_proj``,
 ``experts.down_proj``); checkpoints keep one 2-D matrix per expert and projection, under the keys the
 model was released with: ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` (DeepSeek-V3,
 Qwen-MoE) or ``block_sparse_moe.experts.{e}.w1.weight`` / ``w3`` / ``w2`` (Mixtral). transformers' own
@@ -24,7 +26,10 @@ import torch
 
 from .experts import expert_parameter_names
 
-__all__ = ["CheckpointKeys", "ExpertPart", "expert_parameters"]
+__all__ = ["CheckpointKeys", "ExpertPart", "QuantizationPlan", "expert_parameters", "check_patterns"]
+
+#: safetensors dtypes of the weights that can be quantized (fp32 / fp16 / bf16, SPEC 2).
+QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 def expert_parameters(model: torch.nn.Module) -> Dict[str, Tuple[str, str]]:
@@ -48,6 +53,26 @@ class ExpertPart:
 def _op_signature(converter) -> Optional[Tuple[str, ...]]:
     ops = tuple(f"{type(op).__name__}({getattr(op, 'dim', None)})" for op in getattr(converter, "operations", ()))
     return ops if ops in (("MergeModulelist(0)",), ("MergeModulelist(0)", "Concatenate(1)")) else None
+
+
+@dataclass
+class QuantizationPlan:
+    """Which checkpoint tensors a quantizing pass quantizes (:meth:`CheckpointKeys.plan`)."""
+
+    weights: Dict[str, str]  # linear module -> the checkpoint key of its weight (all linears in the files)
+    linears: Dict[str, str]  # checkpoint key -> linear module, for the weights the settings select
+    experts: Dict[str, ExpertPart]  # checkpoint key -> the expert matrix it is, selected
+    stacks: Dict[str, str]  # checkpoint key of a stored (E, out, in) stack -> expert parameter, selected
+
+
+def check_patterns(patterns, names, label: str) -> None:
+    """Raise ``ValueError`` for the regular expressions in ``patterns`` that match (``re.search``) none of
+    ``names`` (linear modules and expert parameters): a pattern that matches nothing changes nothing."""
+    names = list(names)
+    unmatched = [p for p in patterns if not any(re.search(p, name) for name in names)]
+    if unmatched:
+        raise ValueError(f"{label} {unmatched} match none of the {len(names)} linear modules and expert parameters "
+                         f"(e.g. {', '.join(names[:3])}); nothing would change for them")
 
 
 class CheckpointKeys:
@@ -130,6 +155,37 @@ class CheckpointKeys:
                 if rows != out_features or any(shapes[k][1] != in_features for k in matrices):
                     raise ValueError(f"{target}: expert {e}'s matrices {[(k, tuple(shapes[k])) for k in matrices]} do "
                                      f"not make the ({out_features}, {in_features}) matrix the model needs")
+
+    def plan(self, headers: Dict[str, Tuple[str, Tuple[int, ...]]], linears: Dict[str, Any],
+             settings_for) -> QuantizationPlan:
+        """The tensors of a checkpoint (``headers``: key -> (safetensors dtype, shape)) that a pass quantizes:
+        the weights of ``linears`` and the expert matrices and stacks for which ``settings_for(name)`` is not
+        ``None``.
+
+        Raises:
+            ValueError: two keys for one weight, per-expert matrices that do not fill their parameter, a
+                stack of the wrong shape, or a selected weight that is not fp32 / fp16 / bf16.
+        """
+        weights: Dict[str, str] = {}
+        for key in headers:
+            name = self.module(key, ".weight", linears)
+            if name is not None and weights.setdefault(name, key) != key:
+                raise ValueError(f"{weights[name]} and {key} are both the weight of {name}")
+        selected = {key: name for name, key in weights.items() if settings_for(name) is not None}
+        experts = {key: part for key in headers if key not in selected and (part := self.part(key)) is not None
+                   and settings_for(part.target) is not None}
+        stacks = {key: target for key in headers if (target := self.fused(key)) is not None
+                  and settings_for(target) is not None}
+        self.check_parts(experts, {key: headers[key][1] for key in experts})
+        bad_stacks = {key: headers[key][1] for key, target in stacks.items() if headers[key][1] != self.shape(target)}
+        if bad_stacks:
+            raise ValueError(f"these expert stacks do not have the (experts, out, in) shape of the model's parameter: "
+                             f"{bad_stacks}")
+        bad = {key: headers[key][0] for key in [*selected, *experts, *stacks] if headers[key][0] not in QUANTIZABLE_DTYPES}
+        if bad:
+            raise ValueError(f"these linear weights cannot be quantized (dtypes {', '.join(QUANTIZABLE_DTYPES)} only): "
+                             f"{bad}; exclude them with exclude=[...]")
+        return QuantizationPlan(weights, selected, experts, stacks)
 
     def fused(self, key: str) -> Optional[str]:
         """The expert parameter stored whole (3-D) under checkpoint ``key``, else ``None``."""

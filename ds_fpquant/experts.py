@@ -22,12 +22,14 @@ import torch
 
 from . import checks
 from .api import dequantize, quantize
-from .quantized_tensor import QuantizedTensor
 from .choices import ACTIVATIONS
 from .linear import DequantizingTensor, QuantizedWeight, check_w8a8_weight
 from .module import COMPUTE_DTYPES
+from .quantized_tensor import QuantizedTensor
 
-__all__ = ["QuantizedExperts", "expert_parameter_names", "install_quantized_experts", "quantize_experts_in_place"]
+__all__ = ["QuantizedExperts", "expert_parameter_names", "expert_views", "install_quantized_experts",
+           "quantize_experts_in_place"]
+
 
 def expert_parameter_names(module: torch.nn.Module) -> List[str]:
     """The 3-D floating-point parameters of a transformers experts module (class name ending in ``Experts``)."""
@@ -73,8 +75,9 @@ class QuantizedExperts(DequantizingTensor):
         return cls._dense_call(func, args, kwargs)
 
 
-def _expert_views(module: torch.nn.Module, name: str, meta: Dict) -> List[QuantizedTensor]:
-    """Each expert's :class:`QuantizedTensor` as views of the buffers."""
+def expert_views(module: torch.nn.Module, name: str, meta: Dict) -> List[QuantizedTensor]:
+    """Each expert's :class:`QuantizedTensor` as views of the buffers of ``module.<name>`` (``meta``:
+    ``module._fpq_experts[name]``)."""
     codes = getattr(module, f"{name}_codes")
     scales = getattr(module, f"{name}_scales")
     tensor_scale = getattr(module, f"{name}_tensor_scale", None)
@@ -163,7 +166,7 @@ def _materialize(module, args):
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
     for name, meta in module._fpq_experts.items():
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
-        setattr(module, name, QuantizedExperts(_expert_views(module, name, meta), dtype, meta["backend"],
+        setattr(module, name, QuantizedExperts(expert_views(module, name, meta), dtype, meta["backend"],
                                                meta["activation"]))
 
 

@@ -133,9 +133,10 @@ KERNEL_INJECT_ERROR = ("replace_with_kernel_inject=True cannot run ds_fpquant's 
                        "(and a model quantized by apply / load_quantized) to use kernel injection unquantized")
 
 
-def _check_kernel_inject(model: torch.nn.Module, quantizing: bool, rest: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
+def _check_kernel_inject(model: Optional[torch.nn.Module], quantizing: bool, rest: Dict[str, Any],
+                         kwargs: Dict[str, Any]) -> None:
     inject = kwargs.get("replace_with_kernel_inject", rest.get("replace_with_kernel_inject", False))
-    if inject and (quantizing or is_quantized_model(model)):
+    if inject and (quantizing or (model is not None and is_quantized_model(model))):
         raise ValueError(KERNEL_INJECT_ERROR)
 
 
@@ -179,7 +180,7 @@ def init_inference(model, config=None, **kwargs):
     section, rest, kwargs = _split(config, kwargs)
     fp_config = load_config({SECTION: section or {}})
     if isinstance(model, (str, os.PathLike)):  # a checkpoint directory: quantized while it is loaded
-        _check_kernel_inject(torch.nn.Module(), fp_config.enabled, rest, kwargs)
+        _check_kernel_inject(None, fp_config.enabled, rest, kwargs)
         from .loader import load_quantized
 
         model = load_quantized(model, fp_quantization=fp_config)

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .checkpoint import enable_save_pretrained
-from .checkpoint_keys import CheckpointKeys
+from .checkpoint_keys import CheckpointKeys, check_patterns
 from .experts import install_quantized_experts
 from .layouts import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
 from .model_files import iter_tensors, linear_modules, meta_model, model_dir, read_config, shard_files, tensor_headers
@@ -266,16 +266,12 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
                          f"{hf_config.quantization_config}); load it without fp_quantization")
     model = meta_model(hf_config, model_class)
     linears, keys = linear_modules(model), CheckpointKeys(model)
-    _check_patterns(config, [*linears, *keys.params])
+    given = [*(config.exclude if "exclude" in config.model_fields_set else ()), *config.modules]
+    check_patterns(given, [*linears, *keys.params], "fp_quantization patterns")
     files = shard_files(path)
     headers = tensor_headers(files)
-    stored = {name: key for key in headers if (name := keys.module(key, ".weight", linears)) is not None}
-    plan = {key: name for name, key in stored.items() if config.settings_for(name) is not None}
-    expert_plan = {key: part for key in headers if key not in plan and (part := keys.part(key)) is not None
-                   and config.settings_for(part.target) is not None}
-    keys.check_parts(expert_plan, {key: headers[key][1] for key in expert_plan})
-    stacks = {key: target for key in headers if (target := keys.fused(key)) is not None
-              and config.settings_for(target) is not None}
+    selected = keys.plan(headers, linears, config.settings_for)
+    stored, plan, expert_plan, stacks = selected.weights, selected.linears, selected.experts, selected.stacks
     biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}
     dtype = getattr(hf_config, "dtype", None)  # what from_pretrained gives the weights (its dtype="auto")
     dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
@@ -326,15 +322,3 @@ def _with_weights(module: torch.nn.Module, weight: torch.Tensor, bias: Optional[
     if bias is not None:
         module.bias = torch.nn.Parameter(bias, requires_grad=False)
     return module
-
-
-def _check_patterns(config, names) -> None:
-    """``exclude`` and ``modules`` patterns the caller gave must each match a linear module or expert
-    parameter (as the checkpoint tool requires): a pattern that matches nothing would change nothing."""
-    import re
-
-    given = [*(config.exclude if "exclude" in config.model_fields_set else ()), *config.modules]
-    unmatched = [p for p in given if not any(re.search(p, name) for name in names)]
-    if unmatched:
-        raise ValueError(f"fp_quantization patterns {unmatched} match none of the {len(names)} linear modules and "
-                         f"expert parameters (e.g. {', '.join(list(names)[:3])}); nothing would change for them")

@@ -14,8 +14,8 @@ from typing import List, Sequence
 
 import torch
 
-from .quantized_tensor import QuantizedTensor
 from .packing import ceil_div, row_bytes
+from .quantized_tensor import QuantizedTensor
 
 __all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]
 

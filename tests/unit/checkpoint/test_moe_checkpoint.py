@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 import ds_fpquant as fpq
 from ds_fpquant import checkpoint
 from ds_fpquant.cli import quantize_main
-from ds_fpquant.experts import _expert_views
+from ds_fpquant.experts import expert_views
 from ds_fpquant.module import FPQuantizedLinear
 from unit.moe_models import KINDS, tiny_moe
 from unit.safetensors_files import read_tensors as _tensors
@@ -47,7 +47,7 @@ def _dequantized_weights(model):
             out[f"{name}.weight"] = fpq.dequantize(module.quantized_weight, torch.float32)
         for pname, meta in getattr(module, "_fpq_experts", {}).items():
             out[f"{name}.{pname}"] = torch.stack([fpq.dequantize(qt, torch.float32)
-                                                  for qt in _expert_views(module, pname, meta)])
+                                                  for qt in expert_views(module, pname, meta)])
     return out
 
 
