@@ -36,6 +36,10 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
 
     The first call builds (JIT) or imports the op; the result, success or failure, is cached (later calls
     read the cache without taking the lock).
+
+    Raises:
+        ValueError: the build settings are invalid (``DS_FPQUANT_CPU_ARCH`` is no target the compiler knows);
+            nothing is cached, so a corrected setting takes effect on the next call.
     """
     cached = _ops.get(backend)
     if cached is not None:
@@ -49,6 +53,8 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
                 else:
                     _announce_build(builder)
                     _ops[backend] = (builder.load(verbose=False), "")
+            except ValueError:  # a setting that names no build (DS_FPQUANT_CPU_ARCH): the caller's to fix
+                raise
             except Exception as exc:  # a failed build must not break the torch fallback
                 _ops[backend] = (None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
         return _ops[backend]

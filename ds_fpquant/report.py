@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import time
 from typing import Dict, List, Tuple
 
@@ -73,6 +74,18 @@ def self_test(module, device: str) -> Tuple[bool, str]:
     return True, f"all {len(FORMATS)} formats bit-exact on {device}"
 
 
+def cpu_target(builder) -> str:
+    """The CPU op's target flag, the DS_FPQUANT_CPU_ARCH setting it comes from and the build folder, or why
+    the setting names no target."""
+    from .op_builder.builder import CPU_ARCH_VAR
+
+    setting = f"{CPU_ARCH_VAR}={os.environ.get(CPU_ARCH_VAR, '') or 'unset'}"
+    try:
+        return f"CPU target: {builder.cpu_arch()} ({setting}), build folder {builder.build_name()}"
+    except ValueError as exc:
+        return f"CPU target: none ({exc})"
+
+
 def build_and_test(builders: Dict[str, object]) -> List[Tuple[str, bool, str]]:
     """(op name, passed, detail) for each op: JIT-build (or import) it and self-test it."""
     rows = []
@@ -89,7 +102,9 @@ def build_and_test(builders: Dict[str, object]) -> List[Tuple[str, bool, str]]:
         seconds = time.perf_counter() - t0
         device = "cuda" if getattr(module, "WITH_CUDA", False) and torch.cuda.is_available() else "cpu"
         ok, detail = self_test(module, device)
-        rows.append((name, ok, f"{'PASS' if ok else 'FAIL'} ({detail}; load {seconds:.1f} s)"))
+        paths = ", ".join(module.cpu_paths()) or "none (portable loops)"
+        rows.append((name, ok, f"{'PASS' if ok else 'FAIL'} ({detail}; CPU kernels' AVX-512 paths: {paths}; "
+                               f"load {seconds:.1f} s)"))
     return rows
 
 
@@ -107,7 +122,11 @@ def backend_table() -> List[str]:
         if device == "cuda" and not torch.cuda.is_available():
             choices[device] = "no CUDA device visible"
             continue
-        module, reason = backends.load_op(device)
+        try:
+            module, reason = backends.load_op(device)
+        except ValueError as exc:  # a build setting names no build: every call on this device raises it
+            choices[device] = f"none: each call raises ValueError: {exc}"
+            continue
         choices[device] = f"compiled {device} op" if module is not None else f"torch reference, because: {reason}"
     lines = []
     for name in PUBLIC_FUNCTIONS:
@@ -131,6 +150,8 @@ def main(argv=None) -> int:
         why = "" if compatible else f": {builder.error_log}"
         print(f"{name} {'.' * (22 - len(name))} installed: {'yes' if _prebuilt(builder) else 'no'}, "
               f"compatible: {'yes' if compatible else 'no'}{why}")
+        if builder.BUILD_VAR == "DS_BUILD_FPQUANT_CPU":
+            print(f"{'':23} {cpu_target(builder)}")
     failed = False
     if args.build:
         print("-" * 50)

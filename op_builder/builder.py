@@ -7,11 +7,15 @@ Sources and include paths resolve from the installed package: ``op_builder/`` is
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import importlib
 import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -22,6 +26,12 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 BUILDERS = Path(__file__).resolve().parent
 #: Environment variables that change what a build produces.
 BUILD_ENV = ("CXX", "CC", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME")
+#: Environment variable naming the CPU op's target: a ``-march`` (``-mcpu`` on PowerPC) value such as
+#: ``x86-64-v3`` for a build that runs on every AVX2 machine; unset or ``native``: this machine's CPU.
+CPU_ARCH_VAR = "DS_FPQUANT_CPU_ARCH"
+#: What a target name may look like (gcc/clang ``-march`` values: ``native``, ``x86-64-v3``, ``znver4``,
+#: ``sapphirerapids``, ``armv8.2-a+fp16``, ``power9``).
+_TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 #: Flags that would let the compiler change fp32 results (SPEC 3.1: no fast-math, no FTZ).
 FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "-ffast-math", "-Ofast")
 
@@ -34,6 +44,63 @@ def csrc_path(*parts: str) -> str:
 def without_fast_math(args: List[str]) -> List[str]:
     """``args`` minus any flag that enables fast-math approximations or flush-to-zero."""
     return [a for a in args if a not in FAST_MATH_FLAGS and not a.startswith(("-ftz=true", "--ftz=true"))]
+
+
+def cpu_arch_flag(native_flag: str) -> str:
+    """The CPU op's target flag: DeepSpeed's ``native_flag`` (``-march=native``, ``-mcpu=native`` on
+    PowerPC) with its value replaced by ``$DS_FPQUANT_CPU_ARCH`` when that is set.
+
+    Raises:
+        ValueError: ``DS_FPQUANT_CPU_ARCH`` is not a target name (letters, digits, ``_.+-``).
+    """
+    value = os.environ.get(CPU_ARCH_VAR, "").strip()
+    if not value:
+        return native_flag
+    if not _TARGET_NAME.fullmatch(value):
+        raise ValueError(f"{CPU_ARCH_VAR}={value!r} is not a target name; allowed: 'native' or a -march value of "
+                         f"the compiler such as 'x86-64-v2', 'x86-64-v3', 'x86-64-v4', 'znver4'")
+    option = native_flag.split("=", 1)[0] if "=" in native_flag else "-march"
+    return f"{option}={value}"
+
+
+@functools.lru_cache(maxsize=None)
+def _predefined_macros(cxx: str, flags: tuple) -> tuple:
+    """(exit status, sorted macro lines or the first line of the error) of ``cxx flags -dM -E`` on an empty file."""
+    cmd = [*shlex.split(cxx), *flags, "-dM", "-E", "-x", "c++", os.devnull]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, f"{' '.join(cmd)}: {exc}"
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return proc.returncode, f"{' '.join(cmd)}: exit status {proc.returncode}" + (f": {lines[0]}" if lines else "")
+    return 0, "\n".join(sorted(proc.stdout.splitlines()))
+
+
+def resolved_target(cxx: str, flags: tuple) -> str:
+    """What the compiler ``cxx`` makes of the target ``flags`` (``-march=native`` and the like): its predefined
+    macros, sorted, one per line. These are what the ``#if defined(__AVX512F__)`` paths of ``csrc/`` see, and
+    they name the compiler version and the CPU (``__znver4__``, ``__AVX512FP16__`` ...), so the same flag
+    string on two different CPUs resolves to two different answers.
+
+    A compiler that cannot run, or fails with the default target, answers with why: no build can happen
+    with it, and the build's own error says so.
+
+    Raises:
+        ValueError: ``DS_FPQUANT_CPU_ARCH`` is set and the compiler refuses its target.
+    """
+    status, answer = _predefined_macros(cxx, tuple(flags))
+    if status == 0:
+        return answer
+    if os.environ.get(CPU_ARCH_VAR, "").strip():
+        raise ValueError(f"the compiler refuses the CPU target {' '.join(flags)} ({CPU_ARCH_VAR}="
+                         f"{os.environ[CPU_ARCH_VAR]!r}): {answer}")
+    return f"no answer: {answer}"
+
+
+def target_flags(args: List[str]) -> tuple:
+    """The flags of ``args`` that choose the instruction set (``-march=``, ``-mcpu=``, ``-mtune=``, ``-m<isa>``)."""
+    return tuple(a for a in args if re.match(r"-m(arch|cpu|tune)=|-m(no-)?(avx|sse|fma|f16c|bmi|amx)", a))
 
 
 def cxx_std_flag() -> str:
@@ -64,9 +131,15 @@ class ProjectOpMixin:
     def build_name(self) -> str:
         """The JIT build's module and folder name: ``NAME`` plus a hash of everything the build depends
         on (every file under ``csrc/``, the builders' code, the compiler flags, the torch, CUDA and Python
-        versions, the build environment variables). Each source tree and torch gets its own folder in
-        torch's extension cache, so any number of checkouts and venvs coexist and none rebuilds over
-        another; identical trees share one build."""
+        versions, the build environment variables, and what the compiler makes of the target flags on this
+        machine: :func:`resolved_target`). Each source tree, torch and CPU gets its own folder in torch's
+        extension cache, so any number of checkouts and venvs coexist and none rebuilds over another, and a
+        cache shared between machines (a home directory on NFS) never hands a ``-march=native`` build of one
+        CPU to another; identical trees on identical targets share one build.
+
+        Raises:
+            ValueError: ``DS_FPQUANT_CPU_ARCH`` is invalid or refused by the compiler.
+        """
         import torch
 
         digest = hashlib.sha256()
@@ -75,7 +148,8 @@ class ProjectOpMixin:
                 digest.update(f"{path.relative_to(root.parent)}\0".encode())
                 digest.update(path.read_bytes())
         facts = [type(self).__name__, torch.__version__, str(torch.version.cuda), sys.version.split()[0],
-                 *self.cxx_args(), *self.extra_ldflags(), *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
+                 *self.cxx_args(), *self.extra_ldflags(), *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV),
+                 resolved_target(os.environ.get("CXX", "c++"), target_flags(self.cxx_args()))]
         digest.update("\0".join(facts).encode())
         return f"{self.NAME}_{digest.hexdigest()[:16]}"
 

@@ -1,10 +1,17 @@
-"""``FPQuantizerCPUBuilder``: the compiled CPU op (C++ with OpenMP, no CUDA toolkit needed)."""
+"""``FPQuantizerCPUBuilder``: the compiled CPU op (C++ with OpenMP, no CUDA toolkit needed).
+
+It is compiled for this machine's CPU (DeepSpeed's ``-march=native``): the AVX-512 paths of
+``fp_linear_cpu.cpp`` where the CPU has them, portable loops otherwise. ``DS_FPQUANT_CPU_ARCH`` names
+another target (``x86-64-v3``: any AVX2 machine; ``x86-64-v2``), for a build shared by different CPUs.
+Either way the build folder is named after what the compiler makes of the target on this machine
+(``builder.resolved_target``), so each CPU gets its own build.
+"""
 
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from .builder import ProjectOpMixin, csrc_path, cxx_std_flag
+from .builder import ProjectOpMixin, cpu_arch_flag, csrc_path, cxx_std_flag
 
 
 class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
@@ -25,6 +32,18 @@ class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
         # -fno-trapping-math: lets loops with selects vectorize; it changes no result (no FP traps used).
         return ["-O3", cxx_std_flag(), self.cpu_arch(), "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
                 "-Wall", "-Wno-unknown-pragmas"]
+
+    _native_flag = None  # DeepSpeed's answer, asked once per process (it runs py-cpuinfo: about a second)
+
+    def cpu_arch(self):
+        """DeepSpeed's ``-march=native`` (``-mcpu=native`` on PowerPC), or ``$DS_FPQUANT_CPU_ARCH``'s target.
+
+        Raises:
+            ValueError: ``DS_FPQUANT_CPU_ARCH`` is not a target name.
+        """
+        if FPQuantizerCPUBuilder._native_flag is None:
+            FPQuantizerCPUBuilder._native_flag = super().cpu_arch()
+        return cpu_arch_flag(FPQuantizerCPUBuilder._native_flag)
 
     def extra_ldflags(self):
         return ["-fopenmp"]

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -772,6 +773,21 @@ void decode_rows(const LinearArgs& a, int64_t n0, int64_t n1, void* out)
 }  // namespace
 
 bool linear_cpu_stages_bf16() { return kStagesBf16; }
+
+std::vector<std::string> linear_cpu_paths()
+{
+    std::vector<std::string> paths;
+#if defined(FPQ_FAST_DECODE)
+    paths.emplace_back("fast_decode");
+#endif
+#if defined(FPQ_BF16_DOT)
+    paths.emplace_back("bf16_dot");
+#endif
+#if defined(FPQ_DIRECT_BF16)
+    paths.emplace_back("direct_bf16");
+#endif
+    return paths;
+}
 
 void linear_cpu(Format fmt, const LinearArgs& args)
 {

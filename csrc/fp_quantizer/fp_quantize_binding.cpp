@@ -329,6 +329,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
           py::arg("bias"), py::arg("fmt"), py::arg("group_size"), py::arg("small_m"), py::arg("panel_bytes"));
     m.def("format_table", &format_table, "the C++ format traits");
+    m.def("cpu_paths", &fpq::linear_cpu_paths,
+          "the AVX-512 paths compiled into the CPU kernels (fast_decode, bf16_dot, direct_bf16); [] when portable");
     m.def("philox4x32_10", &philox, "Philox4x32-10 of one counter (c0..c3) and key (k0, k1)");
 #if defined(FPQ_WITH_CUDA)
     m.attr("WITH_CUDA") = true;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "fp_codec.h"
 #include "fp_io.h"
@@ -119,6 +120,9 @@ void dequantize_cpu(Format fmt, const DequantizeArgs& args);
 // W decoded into `out` ((n1 - n0, k) of weight_dtype), the panels of the large-m path.
 void linear_cpu(Format fmt, const LinearArgs& args);
 bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
+// The AVX-512 paths compiled into fp_linear_cpu.cpp: fast_decode (AVX-512 F/BW/VL), bf16_dot (+ BF16),
+// direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
+std::vector<std::string> linear_cpu_paths();
 void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
 // y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_quantize_kernels.cuh): each

@@ -78,7 +78,7 @@ def test_bit_identical_to_apply_on_the_loaded_model(sources, model, section):
     kept, expected_kept = _stacks(loaded), _stacks(reference)  # only excluded experts stay in full precision
     assert kept.keys() == expected_kept.keys() and all(torch.equal(kept[n], expected_kept[n]) for n in kept)
     with torch.no_grad():
-        assert torch.equal(loaded(IDS).logits, reference(IDS).logits)
+        assert torch.equal(loaded(IDS).logits, reference(IDS).logits)  # the same modules and calls
 
 
 def test_the_minilm_weights(tmp_path):
@@ -91,7 +91,7 @@ def test_the_minilm_weights(tmp_path):
     assert len(got) == 37 * 2 and all(torch.equal(got[k], expected[k]) for k in expected)
     ids = torch.randint(1000, 2000, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).last_hidden_state, reference(input_ids=ids).last_hidden_state)
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, reference(input_ids=ids).last_hidden_state)  # the same modules and calls
 
 
 def test_init_inference_takes_a_path(sources, tmp_path):
@@ -103,7 +103,7 @@ def test_init_inference_takes_a_path(sources, tmp_path):
     reference = fpq.apply(transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]),
                           {"fp_quantization": section})
     with torch.no_grad():
-        assert torch.equal(engine(IDS).logits, reference(IDS).logits)
+        assert torch.equal(engine(IDS).logits, reference(IDS).logits)  # the same modules and calls
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"fp_quantization": section}))
     loaded = fpq.load_quantized(sources["llama"], fp_quantization=str(config))  # a DeepSpeed config file

@@ -98,7 +98,8 @@ def test_round_trip_gpt2(gpt2_dir, tmp_path, fmt, kwargs, section, method):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again, not stored
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, reference(ids).logits)  # bit-identical to apply()
+        # bit-identical to apply(): same modules and tensors, the same calls in the same order
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)  # the same modules and calls
         cos = torch.nn.functional.cosine_similarity(loaded(ids).logits.flatten(), model(ids).logits.flatten(), dim=0)
     assert cos > 0.9
 
@@ -127,7 +128,7 @@ def test_sharded_output_and_index(gpt2_dir, tmp_path, monkeypatch):
     reference = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "e2m1", "group_size": 16}})
     ids = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)  # the same modules and calls
 
 
 def test_exclude_keeps_modules_unquantized(gpt2_dir, tmp_path):
@@ -218,7 +219,7 @@ def test_minilm_round_trip(tmp_path):
                       return_tensors="pt", padding=True)
     with torch.no_grad():
         got, want, full = loaded(**batch), reference(**batch), model(**batch)
-    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)  # the same modules and calls
     # buffers no file holds come from transformers' own init, as in from_pretrained
     assert torch.equal(loaded.embeddings.token_type_ids, torch.zeros_like(model.embeddings.token_type_ids))
     assert torch.equal(loaded.embeddings.position_ids, model.embeddings.position_ids)
@@ -301,7 +302,7 @@ def test_tied_head_is_listed_and_stays_tied(tmp_path):
                                                                      "exclude": ["decoder"]}})
     ids = torch.randint(0, 50, (1, 6))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)  # the same modules and calls
 
 
 def _edit(directory, **changes):
@@ -370,4 +371,4 @@ def test_save_pretrained_of_an_applied_gpt2(gpt2_dir, tmp_path, fmt, section):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, quantized(ids).logits)
+        assert torch.equal(loaded(ids).logits, quantized(ids).logits)  # the same modules and calls

@@ -139,6 +139,7 @@ def test_quantized_linear_default_config(q_bits, patched):
     x = torch.rand(5, 64, dtype=torch.bfloat16, device=DEVICE)
     out = layer(x)
     expected = torch.nn.functional.linear(x, layer.weight.dequantized(), layer.bias)
+    # DeepSpeed's QuantizedLinear.forward is this F.linear call on the same operands: the same bits
     assert out.shape == (5, 64) and torch.equal(out, expected)
     state = layer.state_dict()
     fresh = OptimizedLinear(input_dim=64, output_dim=64, quantization_config=cfg, dtype=torch.bfloat16).to(DEVICE)
@@ -161,7 +162,7 @@ def test_lora_on_quantized_base_default_config(q_bits, patched):
     trained = [n for n, p in layer.named_parameters() if p.grad is not None]
     assert trained and all("lora" in n for n in trained)
     clone = copy.deepcopy(layer)
-    assert torch.equal(clone(x), layer(x))
+    assert torch.equal(clone(x), layer(x))  # a copy runs the same calls on the same tensors
 
 
 # ---- selective_dequantize: only the chosen rows ------------------------------------------------

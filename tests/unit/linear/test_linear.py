@@ -30,6 +30,7 @@ def test_quant_linear_matches_dequantized_weight(q_bits, mantissa_bits):
     assert layer.weight.dtype == torch.uint8
     x = torch.rand(3, 64, dtype=torch.bfloat16, device=DEVICE)
     expected = torch.nn.functional.linear(x, layer.weight.dequantized(), layer.bias)
+    # DeepSpeed's QuantizedLinear.forward is this F.linear call on the same operands: the same bits
     assert torch.equal(layer(x), expected) and out.dtype == torch.bfloat16
 
 

@@ -66,11 +66,13 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def _pre_quantized(rank, world, out_dir, base, ids):
     """Issue 16: a checkpoint from ``ds-fpquant quantize`` loaded with ``load_quantized`` (FPQuantizedLinear
     layers, no nn.Linear left) under AutoTP: each rank holds its slice of the stored codes (output rows or
-    input columns), and the logits equal the tp=1 model's within the all-reduce's rounding."""
+    input columns), and the logits are as close to the fp64 value as the tp=1 model's (the shards and the
+    all-reduce only reorder the fp32 sums)."""
     import deepspeed
 
     import ds_fpquant as fpq
     from ds_fpquant.slicing import column_slice, row_slice
+    from unit.linear_bound import dequantized_model, rms_error
 
     src, ckpt = os.path.join(out_dir, "src"), os.path.join(out_dir, "ckpt")
     if rank == 0:  # transformers saves on the main process only
@@ -94,6 +96,7 @@ def _pre_quantized(rank, world, out_dir, base, ids):
         sliced += 1
     with torch.no_grad():
         logits = engine(ids).logits
+        exact_logits = dequantized_model(_model(), whole).double()(ids).logits  # the function both compute, in fp64
     # groups of 48 columns: the row-parallel layers' 64-column shards would cut a group
     odd = os.path.join(out_dir, "odd")
     if rank == 0:
@@ -104,8 +107,9 @@ def _pre_quantized(rank, world, out_dir, base, ids):
         refused = ""
     except ValueError as exc:
         refused = str(exc)
-    return dict(pre_sliced=sliced, pre_exact=exact, pre_max_diff=(logits - whole_logits).abs().max().item(),
-                pre_scale=whole_logits.abs().max().item(), refused=refused)
+    return dict(pre_sliced=sliced, pre_exact=exact, pre_error=rms_error(logits, exact_logits),
+                whole_error=rms_error(whole_logits, exact_logits), exact_rms=rms_error(exact_logits, 0 * exact_logits),
+                refused=refused)
 
 
 if __name__ == "__main__":

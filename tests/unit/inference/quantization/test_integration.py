@@ -123,7 +123,7 @@ class TestApply:
         fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e3m2", "group_size": 16, "rounding":
                                                                    "stochastic"}})
         fresh.load_state_dict(model.state_dict())
-        assert torch.equal(fresh(ids).logits, out)
+        assert torch.equal(fresh(ids).logits, out)  # the same modules and calls
         wrong = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e3m2", "group_size": 32}})
         with pytest.raises((ValueError, RuntimeError)):
             wrong.load_state_dict(model.state_dict())
@@ -186,7 +186,7 @@ class TestInitInference:
                            deepspeed.init_inference(copy.deepcopy(gpt2), fp_quantization=section, dtype=torch.float32)):
                 assert isinstance(engine, deepspeed.InferenceEngine)
                 assert isinstance(engine.module.transformer.h[1].mlp.c_proj, FPQuantizedLinear)
-                assert torch.equal(engine(ids).logits, expected.logits)
+                assert torch.equal(engine(ids).logits, expected.logits)  # the same modules and calls
             plain = deepspeed.init_inference(copy.deepcopy(gpt2), config={"dtype": torch.float32})
             assert not any(isinstance(m, FPQuantizedLinear) for m in plain.module.modules())  # DeepSpeed's own
             with pytest.raises(ValueError, match="Conflicting argument 'fp_quantization'"):
@@ -226,7 +226,7 @@ def test_mx_preset_and_e8m0_in_config(gpt2):
     fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "mxfp4", "modules": {
         "attn": {"fmt": "e4m3", "group_size": 64, "scale_format": "e8m0"}}}})
     fresh.load_state_dict(model.state_dict())
-    assert torch.equal(fresh(ids).logits, out)
+    assert torch.equal(fresh(ids).logits, out)  # the same modules and calls
 
 
 def test_block_scaling_in_config(gpt2):
@@ -251,7 +251,7 @@ def test_nvfp4_in_config_and_state_dict(gpt2):
     fresh = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "nvfp4"}})
     fresh.transformer.h[0].mlp.c_fc.weight_tensor_scale.zero_()
     fresh.load_state_dict(model.state_dict())
-    assert torch.equal(fresh(ids).logits, out)
+    assert torch.equal(fresh(ids).logits, out)  # the same modules and calls
     model.half()  # the scale bytes are uint8 buffers: nothing to round
     assert torch.equal(layer.quantized_weight.tensor_scale, expected.tensor_scale)
     assert torch.equal(layer.dequantized_weight(torch.float32), expected.dequantize())
@@ -265,5 +265,5 @@ def test_nvfp4_autotp_style_in_place():
     quantize_weight_in_place(layer, "nvfp4")
     expected = fpq.quantize(weight, "nvfp4")
     # the hooks hand DeepSpeed's forward a QuantizedWeight: F.linear runs the fused op on it
-    assert torch.equal(layer(x), fused_linear(x, expected, layer.bias))
+    assert torch.equal(layer(x), fused_linear(x, expected, layer.bias))  # the hook's forward is that call
     assert layer.weight is None

@@ -2,6 +2,7 @@
 disassembled without a GPU (standalone nvcc, and through the builder in a CUDA torch)."""
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ds_fpquant as fpq
 from ds_fpquant.formats import traits_table
 from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
 from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
@@ -59,6 +61,90 @@ def test_build_folder_is_named_after_the_sources(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert cpu.build_name() == name and cpu.name == "ds_fpquant_cpu"
     assert Path(cpu.build_directory()).name == name
+
+
+def test_build_folder_follows_what_the_target_resolves_to(monkeypatch):
+    """Issue 24: '-march=native' is one flag string on every CPU; the folder is named after what the compiler
+    makes of it here, so a cache shared by an AVX-512 and an AVX2 machine holds one build for each."""
+    from ds_fpquant.op_builder import builder
+
+    monkeypatch.delenv("DS_FPQUANT_CPU_ARCH", raising=False)
+    cpu = FPQuantizerCPUBuilder()
+    flags = builder.target_flags(cpu.cxx_args())
+    assert cpu.cpu_arch() in flags
+    here = cpu.build_name()
+    targets = {"an AVX2 machine": "#define __AVX2__ 1", "an AVX-512 machine": "#define __AVX2__ 1\n#define __AVX512F__ 1"}
+    names = {}
+    for machine, macros in targets.items():
+        monkeypatch.setattr(builder, "resolved_target", lambda cxx, f, macros=macros: macros)
+        assert builder.target_flags(cpu.cxx_args()) == flags  # the same flags ...
+        names[machine] = cpu.build_name()  # ... resolved differently: another folder
+    assert len({here, *names.values()}) == 3
+
+
+def test_resolved_target_is_the_compilers_answer(monkeypatch):
+    """The real compiler: x86-64-v3 has AVX2 and no AVX-512, x86-64-v4 has AVX-512; two answers, two names. A
+    target the compiler refuses is a ValueError when DS_FPQUANT_CPU_ARCH named it."""
+    from ds_fpquant.op_builder import builder
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"x86-64 targets; this machine is {platform.machine()}")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx.split()[0]) is None:
+        pytest.skip(f"no C++ compiler ({cxx!r})")
+    v3 = builder.resolved_target(cxx, ("-march=x86-64-v3",)).splitlines()
+    v4 = builder.resolved_target(cxx, ("-march=x86-64-v4",)).splitlines()
+    assert "#define __AVX2__ 1" in v3 and "#define __AVX512F__ 1" not in v3
+    assert "#define __AVX512F__ 1" in v4 and v3 != v4
+    monkeypatch.setenv("DS_FPQUANT_CPU_ARCH", "no-such-cpu")
+    with pytest.raises(ValueError, match=r"refuses the CPU target -march=no-such-cpu \(DS_FPQUANT_CPU_ARCH='no-such"):
+        builder.resolved_target(cxx, ("-march=no-such-cpu",))
+    monkeypatch.delenv("DS_FPQUANT_CPU_ARCH")  # a compiler that cannot build anything: the build says why
+    assert builder.resolved_target("false", ("-march=native",)).startswith("no answer: false -march=native")
+
+
+def test_cpu_arch_variable_names_a_portable_build(monkeypatch):
+    """DS_FPQUANT_CPU_ARCH=x86-64-v3 builds for any AVX2 machine, into its own folder; 'native' is the default;
+    a value that is no target name is a ValueError naming the variable, raised by the API before any build."""
+    from ds_fpquant import backends
+
+    monkeypatch.delenv("DS_FPQUANT_CPU_ARCH", raising=False)
+    native = FPQuantizerCPUBuilder()
+    default_flag, default_name = native.cpu_arch(), native.build_name()
+    monkeypatch.setenv("DS_FPQUANT_CPU_ARCH", "native")
+    assert native.cpu_arch() == default_flag == "-march=native" or platform.machine() not in ("x86_64", "AMD64")
+    assert native.build_name() == default_name
+    monkeypatch.setenv("DS_FPQUANT_CPU_ARCH", "x86-64-v3")
+    portable = FPQuantizerCPUBuilder()
+    assert portable.cpu_arch() == default_flag.split("=")[0] + "=x86-64-v3" and portable.cpu_arch() in portable.cxx_args()
+    assert portable.build_name() != default_name
+    for bad in ("x86-64-v3 -O0", "$(id)", "-mavx2"):
+        monkeypatch.setenv("DS_FPQUANT_CPU_ARCH", bad)
+        with pytest.raises(ValueError, match=r"DS_FPQUANT_CPU_ARCH=.* is not a target name; allowed: 'native'"):
+            FPQuantizerCPUBuilder().cpu_arch()
+    monkeypatch.setattr(backends, "_ops", {})  # as in a fresh process: nothing loaded yet
+    with pytest.raises(ValueError, match="DS_FPQUANT_CPU_ARCH"):
+        fpq.quantize(torch.randn(4, 8), "e4m3", 8, backend="cpu")
+    assert "cpu" not in backends._ops  # not cached: a corrected setting takes effect on the next call
+
+
+def test_loaded_cpu_op_runs_the_paths_its_target_has():
+    """The op in use was compiled for the target the builder names (native, or DS_FPQUANT_CPU_ARCH): its AVX-512
+    paths are exactly those the target's macros allow; a portable build (the second pass of .ci/run) has
+    none, so the portable loops are what the tests of that pass exercise."""
+    from ds_fpquant.backends import load_op
+    from ds_fpquant.op_builder import builder
+
+    module, why = load_op("cpu")
+    if module is None:
+        pytest.skip(f"no compiled CPU op: {why}")
+    cpu = FPQuantizerCPUBuilder()
+    macros = set(builder.resolved_target(os.environ.get("CXX", "c++"), builder.target_flags(cpu.cxx_args())).splitlines())
+    has = {isa: f"#define __{isa}__ 1" in macros for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512BF16", "AVX512VBMI")}
+    fast = has["AVX512F"] and has["AVX512BW"] and has["AVX512VL"]
+    expected = [p for p, ok in (("fast_decode", fast), ("bf16_dot", fast and has["AVX512BF16"]),
+                                ("direct_bf16", fast and has["AVX512BF16"] and has["AVX512VBMI"])) if ok]
+    assert module.cpu_paths() == expected, (os.environ.get("DS_FPQUANT_CPU_ARCH"), sorted(m for m in macros if "AVX" in m))
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the reason given by a CPU-only torch")
