@@ -41,6 +41,8 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
         ValueError: the build settings are invalid (``DS_FPQUANT_CPU_ARCH`` is no target the compiler knows);
             nothing is cached, so a corrected setting takes effect on the next call.
     """
+    from .op_builder.builder import BuildSettingError
+
     cached = _ops.get(backend)
     if cached is not None:
         return cached
@@ -53,7 +55,7 @@ def load_op(backend: str) -> Tuple[Optional[object], str]:
                 else:
                     _announce_build(builder)
                     _ops[backend] = (builder.load(verbose=False), "")
-            except ValueError:  # a setting that names no build (DS_FPQUANT_CPU_ARCH): the caller's to fix
+            except BuildSettingError:  # a setting that names no build (DS_FPQUANT_CPU_ARCH): the caller's to fix
                 raise
             except Exception as exc:  # a failed build must not break the torch fallback
                 _ops[backend] = (None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}")
@@ -71,8 +73,10 @@ def _announce_build(builder) -> None:
         prebuilt = importlib.util.find_spec(builder.absolute_name()) is not None
     except ModuleNotFoundError:
         prebuilt = False
+    if prebuilt:
+        return
     build_dir = builder.build_directory()
-    if not prebuilt and not os.path.exists(os.path.join(build_dir, f"{builder.build_name()}.so")):
+    if not os.path.exists(os.path.join(build_dir, f"{builder.build_name()}.so")):
         print(f"ds_fpquant: building the {builder.NAME} op (first use from these sources; cached in {build_dir})...",
               file=sys.stderr, flush=True)
 

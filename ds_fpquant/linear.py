@@ -9,7 +9,7 @@ per weight row, codes read once, fp32 sums; ``fp_quantize_kernels.cuh``); more r
 ``CUDA_PANEL_BYTES`` of weight rows for cuBLAS, never the whole weight. The torch backend is
 ``F.linear(x, dequantize(W, x.dtype), bias)``.
 
-Numerics (SPEC 5): every path multiplies by the same weights, ``dequantize(W, x.dtype)``
+Numerics (SPEC 5, SPEC 8): every path multiplies by the same weights, ``dequantize(W, x.dtype)``
 (``fl(decode(q) * s)`` rounded to ``x``'s dtype); the results differ from
 ``F.linear(x, dequantize(W, x.dtype), bias)`` only in the order of the fp32 sums (and, in the fused
 kernel, one rounding of the fp32 result to ``x``'s dtype).

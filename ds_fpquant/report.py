@@ -124,7 +124,7 @@ def backend_table() -> List[str]:
             continue
         try:
             module, reason = backends.load_op(device)
-        except ValueError as exc:  # a build setting names no build: every call on this device raises it
+        except ValueError as exc:  # BuildSettingError: a setting names no build; every call on this device raises it
             choices[device] = f"none: each call raises ValueError: {exc}"
             continue
         choices[device] = f"compiled {device} op" if module is not None else f"torch reference, because: {reason}"

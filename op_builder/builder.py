@@ -7,7 +7,6 @@ Sources and include paths resolve from the installed package: ``op_builder/`` is
 
 from __future__ import annotations
 
-import functools
 import glob
 import hashlib
 import importlib
@@ -46,26 +45,42 @@ def without_fast_math(args: List[str]) -> List[str]:
     return [a for a in args if a not in FAST_MATH_FLAGS and not a.startswith(("-ftz=true", "--ftz=true"))]
 
 
+class BuildSettingError(ValueError):
+    """A build setting names no build (``DS_FPQUANT_CPU_ARCH``): the caller's to fix, raised to every call that
+    needs the op instead of falling back to the torch backend."""
+
+
+def _arch_setting() -> str:
+    """``$DS_FPQUANT_CPU_ARCH``, '' when unset or ``native`` (both: DeepSpeed's native target)."""
+    value = os.environ.get(CPU_ARCH_VAR, "").strip()
+    return "" if value == "native" else value
+
+
 def cpu_arch_flag(native_flag: str) -> str:
     """The CPU op's target flag: DeepSpeed's ``native_flag`` (``-march=native``, ``-mcpu=native`` on
-    PowerPC) with its value replaced by ``$DS_FPQUANT_CPU_ARCH`` when that is set.
+    PowerPC) with its value replaced by ``$DS_FPQUANT_CPU_ARCH`` when that names another target.
 
     Raises:
-        ValueError: ``DS_FPQUANT_CPU_ARCH`` is not a target name (letters, digits, ``_.+-``).
+        BuildSettingError: ``DS_FPQUANT_CPU_ARCH`` is not a target name (letters, digits, ``_.+-``).
     """
-    value = os.environ.get(CPU_ARCH_VAR, "").strip()
+    value = _arch_setting()
     if not value:
         return native_flag
     if not _TARGET_NAME.fullmatch(value):
-        raise ValueError(f"{CPU_ARCH_VAR}={value!r} is not a target name; allowed: 'native' or a -march value of "
-                         f"the compiler such as 'x86-64-v2', 'x86-64-v3', 'x86-64-v4', 'znver4'")
+        raise BuildSettingError(f"{CPU_ARCH_VAR}={value!r} is not a target name; allowed: 'native' or a -march value "
+                                f"of the compiler such as 'x86-64-v2', 'x86-64-v3', 'x86-64-v4', 'znver4'")
     option = native_flag.split("=", 1)[0] if "=" in native_flag else "-march"
     return f"{option}={value}"
 
 
-@functools.lru_cache(maxsize=None)
+_macros: Dict[tuple, str] = {}  # (compiler, flags) -> its answer; only answers are kept, never failures
+
+
 def _predefined_macros(cxx: str, flags: tuple) -> tuple:
-    """(exit status, sorted macro lines or the first line of the error) of ``cxx flags -dM -E`` on an empty file."""
+    """(exit status, sorted macro lines or why not) of ``cxx flags -dM -E`` on an empty file."""
+    key = (cxx, flags)
+    if key in _macros:
+        return 0, _macros[key]
     cmd = [*shlex.split(cxx), *flags, "-dM", "-E", "-x", "c++", os.devnull]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -74,7 +89,8 @@ def _predefined_macros(cxx: str, flags: tuple) -> tuple:
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
         return proc.returncode, f"{' '.join(cmd)}: exit status {proc.returncode}" + (f": {lines[0]}" if lines else "")
-    return 0, "\n".join(sorted(proc.stdout.splitlines()))
+    _macros[key] = "\n".join(sorted(proc.stdout.splitlines()))
+    return 0, _macros[key]
 
 
 def resolved_target(cxx: str, flags: tuple) -> str:
@@ -83,18 +99,20 @@ def resolved_target(cxx: str, flags: tuple) -> str:
     they name the compiler version and the CPU (``__znver4__``, ``__AVX512FP16__`` ...), so the same flag
     string on two different CPUs resolves to two different answers.
 
-    A compiler that cannot run, or fails with the default target, answers with why: no build can happen
-    with it, and the build's own error says so.
+    A compiler that cannot run at all answers with why: no build can happen with it, and its build's own
+    error (or ``is_compatible``) says so.
 
     Raises:
-        ValueError: ``DS_FPQUANT_CPU_ARCH`` is set and the compiler refuses its target.
+        BuildSettingError: ``DS_FPQUANT_CPU_ARCH`` names a target and the compiler, which works with its
+            default target, refuses ``flags``.
     """
-    status, answer = _predefined_macros(cxx, tuple(flags))
+    flags = tuple(flags)
+    status, answer = _predefined_macros(cxx, flags)
     if status == 0:
         return answer
-    if os.environ.get(CPU_ARCH_VAR, "").strip():
-        raise ValueError(f"the compiler refuses the CPU target {' '.join(flags)} ({CPU_ARCH_VAR}="
-                         f"{os.environ[CPU_ARCH_VAR]!r}): {answer}")
+    if flags and _arch_setting() and _predefined_macros(cxx, ())[0] == 0:
+        raise BuildSettingError(f"the compiler refuses the CPU target {' '.join(flags)} ({CPU_ARCH_VAR}="
+                                f"{os.environ[CPU_ARCH_VAR]!r}): {answer}")
     return f"no answer: {answer}"
 
 
@@ -138,7 +156,7 @@ class ProjectOpMixin:
         CPU to another; identical trees on identical targets share one build.
 
         Raises:
-            ValueError: ``DS_FPQUANT_CPU_ARCH`` is invalid or refused by the compiler.
+            BuildSettingError: ``DS_FPQUANT_CPU_ARCH`` is invalid or refused by the compiler.
         """
         import torch
 
@@ -198,7 +216,8 @@ class ProjectOpMixin:
     def compiler_missing_reason() -> str:
         """Why a C++ build cannot run here ('' when a compiler and ninja are present)."""
         cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
+        words = shlex.split(cxx)  # e.g. CXX="ccache g++"
+        if not words or shutil.which(words[0]) is None:
             return f"no C++ compiler ({cxx!r} not on PATH; set CXX)"
         if shutil.which("ninja") is None:
             try:

@@ -39,7 +39,7 @@ class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
         """DeepSpeed's ``-march=native`` (``-mcpu=native`` on PowerPC), or ``$DS_FPQUANT_CPU_ARCH``'s target.
 
         Raises:
-            ValueError: ``DS_FPQUANT_CPU_ARCH`` is not a target name.
+            BuildSettingError: (a ValueError) ``DS_FPQUANT_CPU_ARCH`` is not a target name.
         """
         if FPQuantizerCPUBuilder._native_flag is None:
             FPQuantizerCPUBuilder._native_flag = super().cpu_arch()

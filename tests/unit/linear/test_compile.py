@@ -20,8 +20,11 @@ WEIGHTS = [("e4m3", {"group_size": 32}), ("e2m1", {"block": (16, 32)}), ("nvfp4"
 
 def _llama():
     torch.manual_seed(0)
+    # eager attention: the mask is built the same way in eager, traced and exported runs (with sdpa, transformers
+    # passes no mask and is_causal=True in eager but builds a mask under torch.export: other calls)
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64)
+                                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64,
+                                      attn_implementation="eager")
     return transformers.LlamaForCausalLM(config).eval()
 
 

@@ -92,8 +92,11 @@ def test_resolved_target_is_the_compilers_answer(monkeypatch):
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx.split()[0]) is None:
         pytest.skip(f"no C++ compiler ({cxx!r})")
+    monkeypatch.delenv("DS_FPQUANT_CPU_ARCH", raising=False)
     v3 = builder.resolved_target(cxx, ("-march=x86-64-v3",)).splitlines()
     v4 = builder.resolved_target(cxx, ("-march=x86-64-v4",)).splitlines()
+    if v3[0].startswith("no answer") or v4[0].startswith("no answer"):
+        pytest.skip(f"{cxx} does not know the x86-64-v3/v4 levels (gcc >= 11, clang >= 12): {v3[0]}")
     assert "#define __AVX2__ 1" in v3 and "#define __AVX512F__ 1" not in v3
     assert "#define __AVX512F__ 1" in v4 and v3 != v4
     monkeypatch.setenv("DS_FPQUANT_CPU_ARCH", "no-such-cpu")
@@ -137,6 +140,8 @@ def test_loaded_cpu_op_runs_the_paths_its_target_has():
 
     module, why = load_op("cpu")
     if module is None:
+        if os.environ.get("DS_FPQUANT_CPU_ARCH"):  # a build was asked for (the portable pass of .ci/run)
+            pytest.fail(f"DS_FPQUANT_CPU_ARCH={os.environ['DS_FPQUANT_CPU_ARCH']} but no compiled CPU op: {why}")
         pytest.skip(f"no compiled CPU op: {why}")
     cpu = FPQuantizerCPUBuilder()
     macros = set(builder.resolved_target(os.environ.get("CXX", "c++"), builder.target_flags(cpu.cxx_args())).splitlines())
