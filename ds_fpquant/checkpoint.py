@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import types
 import warnings
 from collections import Counter
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -407,4 +406,16 @@ def enable_save_pretrained(model: torch.nn.Module) -> None:
     """Make ``model.save_pretrained`` (a transformers model's) write the quantized checkpoint
     (:func:`save_quantized`) instead of failing on the quantized layers."""
     if callable(getattr(model, "save_pretrained", None)) and hasattr(getattr(model, "config", None), "to_dict"):
-        model.save_pretrained = types.MethodType(_save_pretrained, model)
+        model.save_pretrained = QuantizedSavePretrained(model)
+
+
+class QuantizedSavePretrained:
+    """``model.save_pretrained`` of a quantized model (:func:`_save_pretrained` bound to ``model``). A plain
+    object rather than a bound method, so that the model pickles (``torch.save(model)``; a bound method pickles
+    by its name and cannot be found on the unpickled model) and deep-copies."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return _save_pretrained(self.model, *args, **kwargs)

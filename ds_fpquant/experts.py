@@ -15,7 +15,6 @@ dequantized stack).
 
 from __future__ import annotations
 
-import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -157,9 +156,21 @@ def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[
         # transformers' grouped_mm / batched_mm experts implementations multiply the whole 3-D weight; the
         # eager forward (the one decorated by use_experts_implementation) loops over the routed experts and
         # calls F.linear(x, weight[e]): per instance, that loop runs, each expert through the quantized linear
-        eager = getattr(type(module).forward, "__wrapped__", None)
-        if eager is not None and "forward" not in module.__dict__:
-            module.forward = types.MethodType(eager, module)
+        if getattr(type(module).forward, "__wrapped__", None) is not None and "forward" not in module.__dict__:
+            module.forward = EagerExpertsForward(module)
+
+
+class EagerExpertsForward:
+    """``module.forward`` of a quantized experts module: the class's eager per-expert forward (the function that
+    transformers' ``use_experts_implementation`` wraps), bound to ``module``. A plain object rather than a bound
+    method, so that the module pickles (a bound method pickles by its name, ``forward``, and would come back as
+    the class's dispatching forward) and deep-copies."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward.__wrapped__(self.module, *args, **kwargs)
 
 
 def _materialize(module, args):

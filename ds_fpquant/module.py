@@ -171,17 +171,20 @@ def install_quantized_weight(module: torch.nn.Module, qt: QuantizedTensor, *, co
                               compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None,
                               activation=activation)
     module.weight = None
+    module.register_forward_pre_hook(_materialize_weight)
+    module.register_forward_hook(_release_weight)
 
-    def materialize(mod, args):
-        meta = mod._fpq_weight
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
-        view = _weight_view(mod, meta["shape"], meta["dtype"], meta["fmt"], meta["group_size"], meta["scale_format"],
-                            meta["block"])
-        mod.weight = QuantizedWeight(view, dtype, meta["backend"], activation=meta["activation"])  # the fused op
 
-    def release(mod, args, output):
-        mod.weight = None
+# The hooks of install_quantized_weight: module-level functions (not closures), so that a module holding them
+# pickles (torch.save of a whole model) and deep-copies.
+def _materialize_weight(mod, args):
+    meta = mod._fpq_weight
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
+    view = _weight_view(mod, meta["shape"], meta["dtype"], meta["fmt"], meta["group_size"], meta["scale_format"],
+                        meta["block"])
+    mod.weight = QuantizedWeight(view, dtype, meta["backend"], activation=meta["activation"])  # the fused op
 
-    module.register_forward_pre_hook(materialize)
-    module.register_forward_hook(release)
+
+def _release_weight(mod, args, output):
+    mod.weight = None

@@ -1,0 +1,120 @@
+"""Issue 25: every module this project installs survives pickle, ``torch.save`` / ``torch.load`` of the whole
+module (``weights_only=False``), ``copy.deepcopy``, ``state_dict`` -> fresh model -> ``load_state_dict``, and
+``.to(dtype)``: the same codes and scales come back, and the copy runs the same calls (so the same bits).
+
+Before: a model from ``apply`` / ``load_quantized`` pickled, then failed to unpickle (``save_pretrained`` was a
+bound method stored on the instance), AutoTP-style layers held closures as hooks, and a quantized experts
+module's forward was a bound method that unpickled as the class's dispatching forward."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ds_fpquant as fpq
+from ds_fpquant.checkpoint import QuantizedSavePretrained
+from ds_fpquant.experts import EagerExpertsForward
+from ds_fpquant.module import quantize_weight_in_place
+from unit.moe_models import tiny_moe
+
+IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _round_trips(model):
+    """(how, copy) for each way a script keeps a whole model."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return [("pickle", pickle.loads(pickle.dumps(model))), ("torch.save", torch.load(buffer, weights_only=False)),
+            ("deepcopy", copy.deepcopy(model))]
+
+
+def _stored(model):
+    """Every parameter and buffer, by name (the quantized weights' codes and scales among them)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _assert_same_model(again, model, how):
+    ours, theirs = _stored(again), _stored(model)
+    assert ours.keys() == theirs.keys(), how
+    for key, tensor in theirs.items():
+        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), f"{how}: {key}"
+    with torch.no_grad():  # the same modules and tensors: the same calls, the same bits
+        assert torch.equal(again(IDS).logits, model(IDS).logits), how
+
+
+MODELS = {
+    "gpt2-e4m3": (_gpt2, {"fmt": "e4m3", "group_size": 32}),
+    "gpt2-nvfp4": (_gpt2, {"fmt": "nvfp4"}),
+    "gpt2-blocks-w8a8": (_gpt2, {"fmt": "e4m3", "block": [128, 128], "activation": "e4m3"}),
+    "mixtral-e2m1": (lambda: tiny_moe("mixtral"), {"fmt": "e2m1", "group_size": 16}),
+    "deepseek_v3-mxfp4": (lambda: tiny_moe("deepseek_v3"), {"fmt": "mxfp4"}),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_applied_models_pickle_save_and_copy(name):
+    make, section = MODELS[name]
+    model = fpq.apply(make(), {"fp_quantization": section})
+    for how, again in _round_trips(model):
+        _assert_same_model(again, model, how)
+        assert isinstance(again.save_pretrained, QuantizedSavePretrained) and again.save_pretrained.model is again
+        for module in again.modules():
+            if hasattr(module, "_fpq_experts"):  # still the per-expert loop through the quantized linear
+                assert isinstance(module.forward, EagerExpertsForward) and module.forward.module is module
+
+
+def test_loaded_model_pickles_and_saves_again(tmp_path):
+    src = tmp_path / "src"
+    _gpt2().save_pretrained(src)
+    fpq.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, progress=False)
+    model = fpq.load_quantized(tmp_path / "q")
+    for how, again in _round_trips(model):
+        _assert_same_model(again, model, how)
+    again = pickle.loads(pickle.dumps(model))
+    again.save_pretrained(tmp_path / "resaved")  # the unpickled model's save_pretrained writes its own weights
+    _assert_same_model(fpq.load_quantized(tmp_path / "resaved"), model, "resaved")
+
+
+def test_init_inference_model_pickles():
+    engine = fpq.init_inference(_gpt2(), {"fp_quantization": {"fmt": "e3m2", "group_size": 32}, "dtype": torch.float32})
+    for how, again in _round_trips(engine.module):
+        _assert_same_model(again, engine.module, how)
+
+
+@pytest.mark.parametrize("fmt,kwargs", [("e4m3", {"group_size": 16}), ("nvfp4", {}), ("e4m3", {"activation": "e4m3"})])
+def test_autotp_style_layer_pickles(fmt, kwargs):
+    """quantize_weight_in_place (AutoTP's LinearLayer / LinearAllreduce): the hooks are module-level functions."""
+    layer = torch.nn.Linear(128, 8)
+    quantize_weight_in_place(layer, fmt, kwargs.get("group_size"), activation=kwargs.get("activation"))
+    x = torch.randn(3, 128)
+    for how, again in _round_trips(layer):
+        assert torch.equal(again.weight_codes, layer.weight_codes) and torch.equal(again.weight_scales, layer.weight_scales)
+        assert again.weight is None and torch.equal(again(x), layer(x)), how
+
+
+@pytest.mark.parametrize("name", ["gpt2-e4m3", "mixtral-e2m1"])
+def test_state_dict_into_a_fresh_model_and_dtype_casts(name):
+    make, section = MODELS[name]
+    model = fpq.apply(make(), {"fp_quantization": section})
+    fresh = fpq.apply(make(), {"fp_quantization": section})
+    with torch.no_grad():  # a fresh model with other weights: the state dict must replace every one of them
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh.load_state_dict(model.state_dict())
+    _assert_same_model(fresh, model, "load_state_dict")
+    quantized = {k: t.clone() for k, t in _stored(model).items() if t.dtype == torch.uint8}
+    model.to(torch.bfloat16)
+    assert all(torch.equal(_stored(model)[k], t) for k, t in quantized.items())  # codes and scales are bytes
+    with torch.no_grad():
+        out = model(IDS).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
