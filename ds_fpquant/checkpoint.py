@@ -328,7 +328,11 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     if partial:
         warnings.warn(f"written although transformers' FP8 loader would misread or refuse them: {', '.join(partial)}",
                       PartialBlocksWarning, stacklevel=2)
-    owned = tuple(f"{name}." for name in layers) + tuple(f"{name}_" for name in stacks)
+    # exactly the state-dict keys written below from the quantized parts (and the layers' extra state, which the
+    # checkpoint's quantization_config replaces); every other key is written as it is or tied
+    owned = {f"{name}.{key}" for name in layers for key in ("weight_codes", "weight_scales", "weight_tensor_scale",
+                                                             "bias", "_extra_state")}
+    owned |= {f"{name}_{key}" for name in stacks for key in ("codes", "scales", "tensor_scale")}
 
     def expert_rows(names, e: int):
         """(part, checkpoint key, rows) of expert ``e``'s matrices, gate before up."""
@@ -337,14 +341,17 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        writer, seen, copied = ShardWriter(directory, max_shard_bytes), set(), 0
+        writer, seen, copied, tied = ShardWriter(directory, max_shard_bytes), {}, 0, {}
         bytes_before = bytes_after = 0
-        for key, tensor in model.state_dict().items():
-            if key.startswith(owned) or key.endswith("._extra_state"):
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if key in owned:
                 continue
-            if tensor.numel() and tensor.data_ptr() in seen:  # a tied weight: the loader ties it again
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{key}: the state dict holds a {type(tensor).__name__}, not a tensor; nothing written")
+            if tensor.numel() and tensor.data_ptr() in seen:  # a tied weight: the loader ties it again (listed)
+                tied[key] = seen[tensor.data_ptr()]
                 continue
-            seen.add(tensor.data_ptr())
+            seen[tensor.data_ptr()] = key
             writer.add(key, tensor.detach().cpu())
             copied += 1
         for name, (qt, bias) in layers.items():
@@ -382,8 +389,9 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     except BaseException:
         clear_output(directory, created)
         raise
-    return {"quantized": len(qts), "copied": copied, "bytes_before": bytes_before, "bytes_after": bytes_after,
-            "shards": shards, "skipped_files": [], "kept_partial": [], "quantization_config": qconfig}
+    return {"quantized": len(qts), "copied": copied, "tied": tied, "bytes_before": bytes_before,
+            "bytes_after": bytes_after, "shards": shards, "skipped_files": [], "kept_partial": [],
+            "quantization_config": qconfig}
 
 
 def _save_pretrained(self, save_directory, is_main_process: bool = True, max_shard_size="50GB",
