@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["model_dir", "read_config", "shard_files", "tensor_headers", "iter_tensors", "model_class_for",
+__all__ = ["model_dir", "read_config", "Shard", "UnindexedTensorsWarning", "shard_files", "tensor_headers", "iter_tensors", "model_class_for",
            "meta_model", "linear_modules", "ShardWriter", "new_output_dir", "clear_output", "copy_other_files"]
 
 CONFIG = "config.json"
@@ -51,50 +52,106 @@ def read_config(directory: Path):
         raise ValueError(f"{str(directory / CONFIG)!r} could not be read by transformers: {exc}") from None
 
 
-def shard_files(directory: Path) -> List[Path]:
+class UnindexedTensorsWarning(UserWarning):
+    """Tensors in a shard that the checkpoint's safetensors index does not assign to it (a stale copy in a reused
+    folder, a hand-edited checkpoint): ignored, reported once per read."""
+
+
+class Shard(NamedTuple):
+    """One safetensors file and the tensor names to take from it: those the index assigns to it, or every name
+    in it (``keys=None``) for a checkpoint without an index."""
+
+    path: Path
+    keys: Optional[FrozenSet[str]]
+
+
+def _plain_file_name(name, index: Path) -> str:
+    """``name`` if it is a plain file name inside the index's directory (no separator, no ``..``, not absolute),
+    else ``ValueError``: an index must not send a reader outside its checkpoint."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or os.sep in name or (os.altsep and os.altsep in name) or os.path.isabs(name):
+        raise ValueError(f"{str(index)!r} names the shard {name!r}; a shard must be a plain file name in the "
+                         f"checkpoint's directory (no path separator, no '..', not absolute)")
+    return name
+
+
+def shard_files(directory: Path) -> List[Shard]:
+    """The checkpoint's shards: as ``model.safetensors.index.json``'s ``weight_map`` assigns each tensor to one
+    file (each file then yields only its own tensors), or every ``*.safetensors`` file of ``directory`` when
+    there is no index. A shard that is a symlink (the Hub cache's snapshot layout) is read through it.
+
+    Raises:
+        ValueError: an index that is not one, names a shard that is not a plain file name or is missing.
+    """
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{str(index)!r} is not a safetensors index (no valid weight_map): {exc}") from None
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
-        missing = [p.name for p in files if not p.is_file()]
+        keys: Dict[str, set] = {}
+        for key, name in weight_map.items():
+            keys.setdefault(_plain_file_name(name, index), set()).add(key)
+        missing = [name for name in keys if not (directory / name).is_file()]
         if missing:
             raise ValueError(f"{str(index)!r} names shards that are not there: {missing}")
-        return files
+        return [Shard(directory / name, frozenset(names)) for name, names in keys.items()]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{str(directory)!r} holds no .safetensors weights (found: "
                          f"{sorted(p.name for p in directory.iterdir())}); save the model with "
                          f"save_pretrained(..., safe_serialization=True) first")
-    return files
+    return [Shard(path, None) for path in files]
 
 
-def tensor_headers(files: Sequence[Path]) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+def _taken(shard: Shard, names) -> List[str]:
+    """The names of ``shard``'s file to read: all, or those the index assigns to it."""
+    return list(names) if shard.keys is None else [k for k in names if k in shard.keys]
+
+
+def tensor_headers(shards: Sequence[Shard]) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
     """Every tensor name -> its safetensors dtype (``"F32"``, ``"F8_E4M3"``, ``"U8"``, ...) and shape,
-    from the file headers only."""
+    from the file headers only, each from the shard the index names. Tensors a shard holds but the index does
+    not assign to it are left out, with one :class:`UnindexedTensorsWarning`.
+
+    Raises:
+        ValueError: a file is not readable safetensors, or lacks a tensor the index assigns to it.
+    """
     from safetensors import safe_open
 
-    headers = {}
-    for path in files:
+    headers, ignored = {}, []
+    for shard in shards:
         try:
-            with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():
+            with safe_open(shard.path, framework="pt") as fh:
+                names = list(fh.keys())
+                for key in _taken(shard, names):
                     piece = fh.get_slice(key)
                     headers[key] = (piece.get_dtype(), tuple(piece.get_shape()))
         except Exception as exc:  # safetensors raises its own SafetensorError for a damaged file
-            raise ValueError(f"{str(path)!r} is not a readable safetensors file: {exc}") from None
+            raise ValueError(f"{str(shard.path)!r} is not a readable safetensors file: {exc}") from None
+        if shard.keys is not None:
+            absent = sorted(shard.keys - set(names))
+            if absent:
+                raise ValueError(f"the index assigns {absent[:5]}{' ...' if len(absent) > 5 else ''} to "
+                                 f"{shard.path.name!r}, which does not hold them")
+            ignored += [f"{shard.path.name}:{k}" for k in names if k not in shard.keys]
+    if ignored:
+        warnings.warn(f"{len(ignored)} tensor(s) in the shards are not where the safetensors index puts them "
+                      f"(stale copies?) and were ignored: {', '.join(ignored[:8])}{' ...' if len(ignored) > 8 else ''}",
+                      UnindexedTensorsWarning, stacklevel=3)
     return headers
 
 
-def iter_tensors(files: Sequence[Path]) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor, one at a time."""
+def iter_tensors(shards: Sequence[Shard]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor, one at a time, each from the shard the index names
+    (:func:`tensor_headers` reports what is left out)."""
     from safetensors import safe_open
 
-    for path in files:
-        with safe_open(path, framework="pt") as fh:
-            for key in fh.keys():
+    for shard in shards:
+        with safe_open(shard.path, framework="pt") as fh:
+            for key in _taken(shard, fh.keys()):
                 yield key, fh.get_tensor(key)
 
 
