@@ -5,6 +5,9 @@
   scale_format, backend) -> Tensor``: :func:`ds_fpquant.linear.linear` without W8A8, ``(..., out)`` of
   ``x``'s dtype. Differentiable in ``x`` and ``bias`` (the backward multiplies by the dequantized weight;
   the quantized weight gets no gradient).
+- ``ds_fpquant::w8a8_linear(...)``: the same arguments, :func:`ds_fpquant.linear.linear` with
+  ``activation="e4m3"`` (W8A8: x quantized per token to e4m3); its backward passes the activation
+  quantization straight through (the gradient of the weight-only op).
 - ``ds_fpquant::dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block,
   scale_format, dtype, backend) -> Tensor``: :func:`ds_fpquant.dequantize` of a 2-D weight.
 
@@ -23,7 +26,7 @@ import torch
 from .api import dequantize
 from .quantized_tensor import QuantizedTensor
 
-__all__ = ["linear", "dequantize_weight", "as_op_args"]
+__all__ = ["linear", "w8a8_linear", "dequantize_weight", "as_op_args"]
 
 
 def _weight(codes, scales, tensor_scale, in_features: int, fmt: str, group_size: int, block, scale_format: str,
@@ -90,3 +93,23 @@ def _linear_backward(ctx, grad_y):
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op("ds_fpquant::w8a8_linear", mutates_args=())
+def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], in_features: int, fmt: str, group_size: int, block: Optional[List[int]],
+                scale_format: str, backend: str) -> torch.Tensor:
+    from .linear import _w8a8_linear
+
+    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
+    return _w8a8_linear(x, qt, bias, backend)
+
+
+@w8a8_linear.register_fake
+def _w8a8_linear_fake(x, codes, scales, tensor_scale, bias, in_features, fmt, group_size, block, scale_format,
+                      backend):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+# the activation quantization passes the gradient straight through: the same backward as the weight-only op
+w8a8_linear.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -17,7 +17,6 @@ kernel, one rounding of the fp32 result to ``x``'s dtype).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Dict, Optional, Tuple
@@ -172,28 +171,6 @@ def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], b
     return y.to(x2.dtype)
 
 
-class _QuantizedLinear(torch.autograd.Function):
-    """W8A8's ``forward(x2, qt, bias)`` with the backward through the dequantized weight (frozen: no gradient for
-    it, as for DeepSpeed's quantized base weights under LoRA) and the activation quantization passed straight
-    through (the straight-through estimator). The weight-only path has the same backward in
-    :mod:`ds_fpquant.library`."""
-
-    @staticmethod
-    def forward(ctx, x2, bias, forward, qt):
-        ctx.qt = qt
-        ctx.has_bias = bias is not None
-        return forward(x2, qt, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_y @ dequantize(ctx.qt, grad_y.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[1]:
-            grad_bias = grad_y.sum(0)
-        return grad_x, grad_bias, None, None
-
-
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            backend: str = "auto", activation: Optional[str] = None) -> torch.Tensor:
     """``y = x @ dequantize(qt, x.dtype)^T + bias`` with the weight decoded on the fly.
@@ -225,24 +202,25 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
         TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
     """
     _check(x, qt, bias, backend)
-    if activation is None:
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-        if not needs_grad and not torch.compiler.is_compiling():
-            return _weight_only_linear(x, qt, bias, backend)  # eager inference: the op's body, no dispatcher
-        from . import library  # the custom op ds_fpquant::linear: torch.compile and torch.export trace it; autograd
+    if activation is not None:
+        checks.check_choice("activation", activation, ACTIVATIONS)
+        check_w8a8_weight(qt)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if not needs_grad and not torch.compiler.is_compiling():  # eager inference: the op's body, no dispatcher
+        return _weight_only_linear(x, qt, bias, backend) if activation is None else _w8a8_linear(x, qt, bias, backend)
+    # the custom ops ds_fpquant::linear / ds_fpquant::w8a8_linear: torch.compile and torch.export trace them; autograd
+    from . import library
 
-        return library.linear(x, qt.codes, qt.scales, qt.tensor_scale, bias, qt.shape[1], qt.fmt, qt.group_size,
-                              list(qt.block) if qt.block else None, qt.scale_format, backend)
-    checks.check_choice("activation", activation, ACTIVATIONS)
-    check_w8a8_weight(qt)
+    op = library.linear if activation is None else library.w8a8_linear
+    return op(x, qt.codes, qt.scales, qt.tensor_scale, bias, qt.shape[1], qt.fmt, qt.group_size,
+              list(qt.block) if qt.block else None, qt.scale_format, backend)
+
+
+def _w8a8_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """The W8A8 forward of :func:`linear` (the body of the ``ds_fpquant::w8a8_linear`` custom op)."""
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
-    forward = functools.partial(_w8a8, backend=backend)
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        y = _QuantizedLinear.apply(x2, bias, forward, qt)
-    else:
-        y = forward(x2, qt, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return _w8a8(x2, qt, bias, backend).reshape(*x.shape[:-1], n)
 
 
 def _weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:

@@ -101,3 +101,62 @@ def test_export_of_a_small_quantized_model():
     assert targets.count("ds_fpquant.linear.default") == 2 * 7  # 4 attention + 3 MLP projections per layer
     with torch.no_grad():  # the exported graph runs the ATen ops eager runs, in its order: the same bits
         assert torch.equal(exported.module()(ids, use_cache=False).logits, quantized(ids, use_cache=False).logits)
+
+
+#: Every layer configuration of docs/api.md's ds_config section that a dense model can hold (issue 25):
+#: element formats, fp32 / E8M0 group scales, 2-D blocks, the MX and NVFP4 presets, W8A8, a compute dtype.
+LAYER_CONFIGS = {
+    "e4m3-g32": {"fmt": "e4m3", "group_size": 32},
+    "e2m1-block": {"fmt": "e2m1", "block": [16, 32]},
+    "e5m2-e8m0": {"fmt": "e5m2", "group_size": 16, "scale_format": "e8m0"},
+    "e3m2-stochastic": {"fmt": "e3m2", "group_size": 64, "rounding": "stochastic"},
+    "mxfp4": {"fmt": "mxfp4"},
+    "nvfp4": {"fmt": "nvfp4"},
+    "w8a8-g128": {"fmt": "e4m3", "activation": "e4m3"},
+    "w8a8-128x128": {"fmt": "e4m3", "block": [128, 128], "activation": "e4m3"},
+    "bf16-compute": {"fmt": "e4m3", "compute_dtype": "bf16"},
+}
+
+
+def _llama128():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64,
+                                      attn_implementation="eager", attention_bias=True)  # biases on q/k/v/o
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", list(LAYER_CONFIGS))
+def test_every_layer_configuration_traces_in_one_graph_and_exports(name):
+    """Issue 25: W8A8 layers broke the graph (dynamo cannot trace the compiled quantize op); every configuration
+    now runs as a custom op: one graph, no break; the traced graph (aot_eager) and the exported program run the
+    same calls as eager, so the same bits."""
+    quantized = fpq.apply(_llama128(), {"fp_quantization": LAYER_CONFIGS[name]})
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = quantized(ids, use_cache=False).logits
+        explained = torch._dynamo.explain(quantized)(ids, use_cache=False)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        traced = torch.compile(quantized, backend="aot_eager", fullgraph=True)(ids, use_cache=False).logits
+        assert torch.equal(traced, eager)
+    exported = torch.export.export(quantized, (ids,), kwargs={"use_cache": False})
+    op = "ds_fpquant.w8a8_linear.default" if "activation" in LAYER_CONFIGS[name] else "ds_fpquant.linear.default"
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets.count(op) == 7  # 4 attention + 3 MLP projections
+    with torch.no_grad():
+        assert torch.equal(exported.module()(ids, use_cache=False).logits, eager)
+
+
+def test_w8a8_opcheck_and_straight_through_backward():
+    qt = fpq.quantize(torch.randn(48, 256, generator=torch.Generator().manual_seed(2)), "e4m3", 128)
+    codes, scales, tensor_scale, k, f, g, block, scale_format = library.as_op_args(qt)
+    x = torch.randn(2, 3, 256, requires_grad=True)
+    bias = torch.randn(48, requires_grad=True)
+    args = (x, codes, scales, tensor_scale, bias, k, f, g, block, scale_format, "auto")
+    torch.library.opcheck(torch.ops.ds_fpquant.w8a8_linear.default, args)
+    y = torch.ops.ds_fpquant.w8a8_linear(*args)
+    assert torch.equal(y, quantized_linear(x, qt, bias, activation="e4m3"))  # linear() calls this op: the same call
+    y.sum().backward()
+    matmul_within_bound(torch.ones(6, 48), fpq.dequantize(qt, torch.float32), x.grad.reshape(6, 256))
+    assert torch.equal(bias.grad, torch.full((48,), 6.0))  # a sum of six ones: exact in any order
