@@ -137,6 +137,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     headers = tensor_headers(files)
     meta = meta_model(hf_config)
     linears, keys = linear_modules(meta), CheckpointKeys(meta)
+    keys.check_fits(headers)  # every parameter of the model there, in its shape: else nothing is written
     check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
     selected = keys.plan(headers, linears, config.settings_for)
     plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks

@@ -156,6 +156,32 @@ class CheckpointKeys:
                     raise ValueError(f"{target}: expert {e}'s matrices {[(k, tuple(shapes[k])) for k in matrices]} do "
                                      f"not make the ({out_features}, {in_features}) matrix the model needs")
 
+    def check_fits(self, headers: Dict[str, Tuple[str, Tuple[int, ...]]]) -> None:
+        """Raise ``ValueError`` unless the checkpoint (``headers``: key -> (safetensors dtype, shape)) holds every
+        parameter of the model (a tied one once): under its name (the base-model prefix and transformers'
+        renamings allowed) with the model's shape, or for an expert stack as per-expert matrices. What a writer
+        checks before writing anything, as the loaders check what they load.
+        """
+        params = dict(self.model.named_parameters())  # tied parameters once
+        found, wrong, parts = set(), {}, set()
+        for key, (_, shape) in headers.items():
+            name = self.resolve(key, params)
+            if name is not None:
+                found.add(name)
+                if tuple(shape) != tuple(params[name].shape):
+                    wrong[key] = (tuple(shape), tuple(params[name].shape))
+            elif key.endswith(".weight") and (part := self.part(key)) is not None:
+                parts.add(part.target)
+        missing = [name for name in params if name not in found and name not in parts]
+        if missing or wrong:
+            model = type(self.model).__name__
+            raise ValueError(f"the checkpoint's tensors do not fit {model} as its config.json builds it: "
+                             + "; ".join(filter(None, [
+                                 f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}" if missing else "",
+                                 f"other shapes (stored, model) {wrong}" if wrong else ""]))
+                             + (" (is it stored in another quantized format, without its quantization_config?)"
+                                if missing else ""))
+
     def plan(self, headers: Dict[str, Tuple[str, Tuple[int, ...]]], linears: Dict[str, Any],
              settings_for) -> QuantizationPlan:
         """The tensors of a checkpoint (``headers``: key -> (safetensors dtype, shape)) that a pass quantizes:

@@ -100,3 +100,38 @@ def test_every_tensor_is_written_tied_or_refused(family, tmp_path):
     assert len(shared) >= len(files) - 2
     assert all(torch.equal(_bytes(cli[k]), _bytes(files[k])) for k in shared), family
 
+
+
+def _rewrite(directory, edit):
+    from safetensors.torch import save_file
+
+    path = directory / "model.safetensors"
+    tensors = read_tensors(directory)
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _as_gpt_oss_mxfp4(tensors):
+    """The experts as gpt-oss releases store them (``*_blocks`` / ``*_scales`` bytes), without the
+    quantization_config that says so."""
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(key)
+        tensors[f"{key}_blocks"] = torch.zeros(w.shape[0], w.shape[2], w.shape[1] // 32, 16, dtype=torch.uint8)
+        tensors[f"{key}_scales"] = torch.full((w.shape[0], w.shape[2], w.shape[1] // 32), 127, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_as_gpt_oss_mxfp4, r"missing \['model\.layers\.0\.mlp\.experts\.gate_up_proj', 'model\.layers\.0\.mlp\.experts\."
+                        r"down_proj'.*another quantized format"),
+    (lambda t: t.pop("model.norm.weight"), r"missing \['model\.norm\.weight'\]"),
+    (lambda t: t.update({"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)}),
+     r"other shapes \(stored, model\) \{'model\.layers\.1\.self_attn\.o_proj\.weight': \(\(64, 32\), \(64, 64\)\)\}"),
+])
+def test_a_source_that_does_not_fit_its_model_is_refused_before_writing(tmp_path, edit, message):
+    """Issue 25: before, a gpt-oss source stored as *_blocks / *_scales was written with no expert weights
+    (listed as kept) and its own load_quantized then refused the result."""
+    _gpt_oss().save_pretrained(tmp_path / "src")
+    _rewrite(tmp_path / "src", edit)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "e4m3", progress=False)
+    assert not (tmp_path / "q").exists()
