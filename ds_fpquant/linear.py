@@ -82,7 +82,8 @@ def _check(x, qt, bias, backend) -> None:
 def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     scales, kind, block_rows, tensor_scale = _scale_layout(qt)
     n, k = qt.shape
-    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits))
+    # the kernels read packed rows: codes of other strides (a view, a slice) are copied once
+    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits)).contiguous()
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
     small_m = GEMV_MAX_ROWS if x2.is_cuda else SMALL_M[x2.dtype]
     return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
@@ -140,7 +141,7 @@ def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: to
         reason = f"torch._scaled_mm needs in_features and out_features divisible by 16 (got {k}, {n})"
     if reason is None:
         a = xq.codes.view(torch.float8_e4m3fn)  # (m, k) row-major
-        b = qt.codes.view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
+        b = qt.codes.contiguous().view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
         scale_a = xq.scales.t().contiguous().t()  # (m, ceil(k/128)), strides (1, m)
         # scale_b.t() must be the weight's scales: 128x128 as stored (row-major), 1x128 with strides (1, n)
         scale_b = qt.scales.t() if qt.block is not None else qt.scales.t().contiguous()
@@ -178,7 +179,8 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     Args:
         x: fp32 / fp16 / bf16 activations ``(..., in_features)``, any strides.
         qt: the quantized weight, ``qt.shape == (out_features, in_features)``, row grouping or 2-D
-            blocks; any element format, fp32 or E8M0 scales, or NVFP4.
+            blocks; any element format, fp32 or E8M0 scales, or NVFP4. Codes and scales of any strides, as
+            ``dequantize`` takes them (non-contiguous ones are copied once per call).
         bias: optional ``(out_features,)`` tensor; added in fp32 before the one rounding to ``x``'s dtype
             (fused kernel) or by the matmul (panels, other devices).
         backend: ``"auto"`` (the compiled op for the tensors' device: the fused CPU kernel, or on CUDA the

@@ -114,7 +114,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const std::string& fmt_nam
         TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "scales.dtype=", s.scalar_type(),
                          " is not supported; allowed: torch.float32");
         TORCH_CHECK_VALUE(s.dim() == 2 && s.size(0) == rows && s.size(1) == n_groups && s.is_contiguous(),
-                          "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", s.sizes());
+                          "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", s.sizes(), " with strides ", s.strides());
         check_device(s, x, "scales");
         args.given_scales = s.data_ptr<float>();
     }
@@ -155,10 +155,10 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     const int64_t rb = fpq::row_bytes(k, group_size, bits_of(fmt));
     const int64_t n_groups = fpq::ceil_div(k, group_size);
     TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) == rb && codes.is_contiguous(),
-                      "codes must be contiguous with shape (rows, ", rb, "), got ", codes.sizes());
+                      "codes must be contiguous with shape (rows, ", rb, "), got ", codes.sizes(), " with strides ", codes.strides());
     TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == n_groups &&
                           scales.is_contiguous(),
-                      "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", scales.sizes());
+                      "scales must be contiguous with shape (", rows, ", ", n_groups, "), got ", scales.sizes(), " with strides ", scales.strides());
     check_device(scales, codes, "scales");
     fpq::DequantizeArgs args;
     args.dtype = parse_dtype(out_dtype, "out");
@@ -196,7 +196,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), "; expected torch.uint8");
     const int64_t rb = fpq::row_bytes(k, g, bits_of(fmt));
     TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) == rb && codes.is_contiguous(),
-                      "codes must be contiguous with shape (n, ", rb, "), got ", codes.sizes());
+                      "codes must be contiguous with shape (n, ", rb, "), got ", codes.sizes(), " with strides ", codes.strides());
     const int64_t n = codes.size(0);
     fpq::LinearArgs args;
     if (scale_kind == "fp32") {
@@ -212,7 +212,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     const int64_t scale_rows = fpq::ceil_div(n, block_rows), scale_cols = fpq::ceil_div(k, g);
     TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == scale_rows && scales.size(1) == scale_cols &&
                           scales.is_contiguous(),
-                      "scales must be contiguous with shape (", scale_rows, ", ", scale_cols, "), got ", scales.sizes());
+                      "scales must be contiguous with shape (", scale_rows, ", ", scale_cols, "), got ", scales.sizes(), " with strides ", scales.strides());
     if (bias.has_value()) {
         TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias must have shape (", n, "), got ",
                           bias->sizes());

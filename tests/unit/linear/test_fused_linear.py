@@ -204,3 +204,23 @@ def test_quantized_weight_stands_in_for_a_weight():
             assert y.dtype == x.dtype and torch.equal(y, expected)  # each of them is that linear() call
         assert w.shape == (8, 32) and w.T.shape == (32, 8) and "QuantizedWeight" in repr(w)
         assert torch.equal(w + 0, fpq.dequantize(qt, dtype))
+
+
+@pytest.mark.parametrize("m", [1, 300])
+@pytest.mark.parametrize("fmt,kwargs", [("e4m3", {"group_size": 32}), ("e2m1", {"block": (8, 32)}), ("nvfp4", {})])
+def test_codes_and_scales_of_any_strides(fmt, kwargs, m):
+    """Issue 25: linear took only contiguous codes (its error showed the matching shapes, not the strides), while
+    dequantize takes any: both take views now, with the same result as the contiguous weight."""
+    import dataclasses
+
+    qt = fpq.quantize(_weight(16, 64), fmt, kwargs.get("group_size"), block=kwargs.get("block"))
+    codes = torch.empty(qt.codes.shape[0], 2 * qt.codes.shape[1], dtype=qt.codes.dtype)[:, ::2]
+    scales = torch.empty(*qt.scales.shape[:-1], 2 * qt.scales.shape[-1], dtype=qt.scales.dtype)[..., ::2]
+    codes.copy_(qt.codes)
+    scales.copy_(qt.scales)
+    strided = dataclasses.replace(qt, codes=codes, scales=scales)
+    assert not codes.is_contiguous() and not scales.is_contiguous()
+    x = torch.randn(m, 64)
+    for backend in ("auto", "torch"):  # the same operands in the same kernel: the same bits
+        assert torch.equal(linear(x, strided, backend=backend), linear(x, qt, backend=backend)), backend
+    assert torch.equal(fpq.dequantize(strided), fpq.dequantize(qt))
