@@ -100,6 +100,13 @@ def test_autotp_style_layer_pickles(fmt, kwargs):
     for how, again in _round_trips(layer):
         assert torch.equal(again.weight_codes, layer.weight_codes) and torch.equal(again.weight_scales, layer.weight_scales)
         assert again.weight is None and torch.equal(again(x), layer(x)), how
+    fresh = torch.nn.Linear(128, 8)
+    quantize_weight_in_place(fresh, fmt, kwargs.get("group_size"), activation=kwargs.get("activation"))
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.weight_codes, layer.weight_codes) and torch.equal(fresh(x), layer(x))
+    codes = layer.weight_codes.clone()
+    layer.to(torch.bfloat16)
+    assert torch.equal(layer.weight_codes, codes) and layer(x.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("name", ["gpt2-e4m3", "mixtral-e2m1"])
