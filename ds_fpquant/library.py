@@ -57,17 +57,6 @@ def _dequantize_weight_fake(codes, scales, tensor_scale, in_features, fmt, group
     return codes.new_empty((codes.shape[0], in_features), dtype=dtype)
 
 
-@torch.library.custom_op("ds_fpquant::linear", mutates_args=())
-def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor],
-           bias: Optional[torch.Tensor], in_features: int, fmt: str, group_size: int, block: Optional[List[int]],
-           scale_format: str, backend: str) -> torch.Tensor:
-    from .linear import _weight_only_linear
-
-    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
-    return _weight_only_linear(x, qt, bias, backend)
-
-
-@linear.register_fake
 def _linear_fake(x, codes, scales, tensor_scale, bias, in_features, fmt, group_size, block, scale_format, backend):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
@@ -92,24 +81,25 @@ def _linear_backward(ctx, grad_y):
     return grad_x, None, None, None, grad_bias, None, None, None, None, None, None
 
 
-linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+def _linear_op(name: str, body: str):
+    """The custom op ``ds_fpquant::<name>`` running ``ds_fpquant.linear.<body>(x, qt, bias, backend)``, with the
+    fake implementation and the backward (through the dequantized weight; for W8A8 the activation quantization
+    passes the gradient straight through) that both linears share."""
 
-
-@torch.library.custom_op("ds_fpquant::w8a8_linear", mutates_args=())
-def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor],
+    def forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], in_features: int, fmt: str, group_size: int, block: Optional[List[int]],
                 scale_format: str, backend: str) -> torch.Tensor:
-    from .linear import _w8a8_linear
+        from . import linear as linear_module
 
-    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
-    return _w8a8_linear(x, qt, bias, backend)
+        qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
+        return getattr(linear_module, body)(x, qt, bias, backend)
+
+    forward.__name__ = forward.__qualname__ = name
+    op = torch.library.custom_op(f"ds_fpquant::{name}", forward, mutates_args=())
+    op.register_fake(_linear_fake)
+    op.register_autograd(_linear_backward, setup_context=_linear_setup)
+    return op
 
 
-@w8a8_linear.register_fake
-def _w8a8_linear_fake(x, codes, scales, tensor_scale, bias, in_features, fmt, group_size, block, scale_format,
-                      backend):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
-
-
-# the activation quantization passes the gradient straight through: the same backward as the weight-only op
-w8a8_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+linear = _linear_op("linear", "_weight_only_linear")
+w8a8_linear = _linear_op("w8a8_linear", "_w8a8_linear")
