@@ -292,7 +292,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             it); ``True`` (default) writes them with a :class:`PartialBlocksWarning`, ``False`` raises.
 
     Returns:
-        the summary :func:`quantize_checkpoint` returns (``bytes_before`` is the full-precision size).
+        the summary :func:`quantize_checkpoint` returns (``bytes_before`` is the full-precision size), plus
+        ``tied``: ``{key: the key it is written under}`` for the tensors written once for two names.
 
     Raises:
         TypeError, ValueError: not a transformers model, no quantized layers, layers with different
@@ -329,11 +330,24 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     if partial:
         warnings.warn(f"written although transformers' FP8 loader would misread or refuse them: {', '.join(partial)}",
                       PartialBlocksWarning, stacklevel=2)
-    # exactly the state-dict keys written below from the quantized parts (and the layers' extra state, which the
-    # checkpoint's quantization_config replaces); every other key is written as it is or tied
-    owned = {f"{name}.{key}" for name in layers for key in ("weight_codes", "weight_scales", "weight_tensor_scale",
-                                                             "bias", "_extra_state")}
-    owned |= {f"{name}_{key}" for name in stacks for key in ("codes", "scales", "tensor_scale")}
+    # exactly the state-dict entries written below from the quantized parts (and the layers' extra state, which
+    # the checkpoint's quantization_config replaces), found by the module that holds them (a layer registered
+    # under a second name is the same module); every other entry is written as it is, or tied
+    layer_of = {id(model.get_submodule(name)): name for name in layers}
+    layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state")
+    stack_of = {}
+    for name in stacks:
+        owner, _, pname = name.rpartition(".")
+        for suffix in ("codes", "scales", "tensor_scale"):
+            stack_of[(id(model.get_submodule(owner)), f"{pname}_{suffix}")] = f"{name}_{suffix}"
+
+    def quantized_part(key: str) -> Optional[str]:
+        """The canonical key of the quantized part that state-dict entry ``key`` is, else ``None``."""
+        owner, _, leaf = key.rpartition(".")
+        module = id(model.get_submodule(owner))
+        if module in layer_of and leaf in layer_keys:
+            return f"{layer_of[module]}.{leaf}"
+        return stack_of.get((module, leaf))
 
     def expert_rows(names, e: int):
         """(part, checkpoint key, rows) of expert ``e``'s matrices, gate before up."""
@@ -345,7 +359,10 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         writer, seen, copied, tied = ShardWriter(directory, max_shard_bytes), {}, 0, {}
         bytes_before = bytes_after = 0
         for key, tensor in model.state_dict(keep_vars=True).items():
-            if key in owned:
+            canonical = quantized_part(key)
+            if canonical is not None:
+                if canonical != key and not key.endswith("._extra_state"):
+                    tied[key] = canonical  # the same layer under a second name
                 continue
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{key}: the state dict holds a {type(tensor).__name__}, not a tensor; nothing written")

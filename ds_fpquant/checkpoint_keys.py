@@ -89,6 +89,8 @@ class CheckpointKeys:
         self.prefix = getattr(model, "base_model_prefix", "")
         self.renamings: List = []
         self.converters: List = []
+        self.legacy_renamings: List = []
+        self.other_converters: List = []
         if not hasattr(model, "config"):
             return
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -99,6 +101,12 @@ class CheckpointKeys:
                 self.renamings.append(transform)
             elif isinstance(transform, WeightConverter) and _op_signature(transform) is not None:
                 self.converters.append(transform)
+        # for check_fits only: what transformers also applies when it loads (the legacy renamings such as
+        # LayerNorm.gamma -> .weight), and the converters this module does not model (fused qkv, transposes)
+        everything = get_model_conversion_mapping(model, add_legacy=True)
+        self.legacy_renamings = [t for t in everything if isinstance(t, WeightRenaming)]
+        self.other_converters = [t for t in everything if isinstance(t, WeightConverter)
+                                 and _op_signature(t) is None]
 
     def rename(self, key: str) -> str:
         """``key`` with transformers' renamings for this model applied (``block_sparse_moe`` -> ``mlp``)."""
@@ -159,20 +167,30 @@ class CheckpointKeys:
     def check_fits(self, headers: Dict[str, Tuple[str, Tuple[int, ...]]]) -> None:
         """Raise ``ValueError`` unless the checkpoint (``headers``: key -> (safetensors dtype, shape)) holds every
         parameter of the model (a tied one once): under its name (the base-model prefix and transformers'
-        renamings allowed) with the model's shape, or for an expert stack as per-expert matrices. What a writer
-        checks before writing anything, as the loaders check what they load.
+        renamings, legacy ones included, allowed) with the model's shape, or for an expert stack as per-expert
+        matrices. Parameters the model declares optional (``_keys_to_ignore_on_load_missing``) may be absent,
+        and when transformers would convert some of the checkpoint's tensors in ways not modelled here (a
+        fused qkv split, a transpose), only the shapes of the tensors found by name are checked. What a writer
+        checks before writing anything.
         """
+        from transformers.core_model_loading import apply_renamings
+
         params = dict(self.model.named_parameters())  # tied parameters once
         found, wrong, parts = set(), {}, set()
         for key, (_, shape) in headers.items():
             name = self.resolve(key, params)
+            if name is None and self.legacy_renamings:
+                name = self.resolve(apply_renamings(key, self.legacy_renamings), params)
             if name is not None:
                 found.add(name)
                 if tuple(shape) != tuple(params[name].shape):
                     wrong[key] = (tuple(shape), tuple(params[name].shape))
             elif key.endswith(".weight") and (part := self.part(key)) is not None:
                 parts.add(part.target)
-        missing = [name for name in params if name not in found and name not in parts]
+        optional = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_missing", None) or []]
+        converted = any(c.rename_source_key(key)[1] is not None for c in self.other_converters for key in headers)
+        missing = [] if converted else [name for name in params if name not in found and name not in parts
+                                        and not any(p.search(name) for p in optional)]
         if missing or wrong:
             model = type(self.model).__name__
             raise ValueError(f"the checkpoint's tensors do not fit {model} as its config.json builds it: "

@@ -144,7 +144,7 @@ def _scaled_mm_blockwise(xq: QuantizedTensor, qt: QuantizedTensor, out_dtype: to
         b = qt.codes.contiguous().view(torch.float8_e4m3fn).t()  # (k, n) column-major, as torch._scaled_mm wants
         scale_a = xq.scales.t().contiguous().t()  # (m, ceil(k/128)), strides (1, m)
         # scale_b.t() must be the weight's scales: 128x128 as stored (row-major), 1x128 with strides (1, n)
-        scale_b = qt.scales.t() if qt.block is not None else qt.scales.t().contiguous()
+        scale_b = qt.scales.contiguous().t() if qt.block is not None else qt.scales.t().contiguous()
         try:
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         except torch.OutOfMemoryError:

@@ -270,6 +270,7 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
     check_patterns(given, [*linears, *keys.params], "fp_quantization patterns")
     files = shard_files(path)
     headers = tensor_headers(files)
+    keys.check_fits(headers)  # every parameter there, in its shape, before anything is read or quantized
     selected = keys.plan(headers, linears, config.settings_for)
     stored, plan, expert_plan, stacks = selected.weights, selected.linears, selected.experts, selected.stacks
     biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}

@@ -24,6 +24,7 @@ CONFIG = "config.json"
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 
 
 #: Weight files of other formats: never copied to DST (they would hold the unquantized weights).
@@ -67,8 +68,8 @@ class Shard(NamedTuple):
 
 def _plain_file_name(name, index: Path) -> str:
     """``name`` if it is a plain file name inside the index's directory (no separator, no ``..``, not absolute),
-    else ``ValueError``: an index must not send a reader outside its checkpoint."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+    else ``ValueError``: an index must not send a reader outside its checkpoint (``:`` too: a Windows drive)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\:") \
             or os.sep in name or (os.altsep and os.altsep in name) or os.path.isabs(name):
         raise ValueError(f"{str(index)!r} names the shard {name!r}; a shard must be a plain file name in the "
                          f"checkpoint's directory (no path separator, no '..', not absolute)")
@@ -76,19 +77,23 @@ def _plain_file_name(name, index: Path) -> str:
 
 
 def shard_files(directory: Path) -> List[Shard]:
-    """The checkpoint's shards: as ``model.safetensors.index.json``'s ``weight_map`` assigns each tensor to one
-    file (each file then yields only its own tensors), or every ``*.safetensors`` file of ``directory`` when
-    there is no index. A shard that is a symlink (the Hub cache's snapshot layout) is read through it.
+    """The checkpoint's shards, in transformers' order of preference: ``model.safetensors`` alone if it is there;
+    else as ``model.safetensors.index.json``'s ``weight_map`` assigns each tensor to one file (each file then
+    yields only its own tensors); else every ``*.safetensors`` file of ``directory``. A shard that is a symlink (the Hub cache's snapshot layout) is read through it.
 
     Raises:
         ValueError: an index that is not one, names a shard that is not a plain file name or is missing.
     """
     index = directory / SAFETENSORS_INDEX
+    if (directory / SAFETENSORS_SINGLE).is_file():  # transformers reads it before an index, so do we
+        return [Shard(directory / SAFETENSORS_SINGLE, None)]
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+            if not weight_map:
+                raise ValueError("weight_map lists no tensors")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{str(index)!r} is not a safetensors index (no valid weight_map): {exc}") from None
         keys: Dict[str, set] = {}

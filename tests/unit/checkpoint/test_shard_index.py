@@ -124,7 +124,8 @@ def test_quantize_while_loading_takes_the_indexed_copy(sharded, tmp_path):
         assert torch.equal(loaded(IDS).logits, reference(IDS).logits)  # the same modules and calls
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "sub/model.safetensors", "ABSOLUTE", "..", ""])
+@pytest.mark.parametrize("name", ["../outside.safetensors", "sub/model.safetensors", "ABSOLUTE", "..", "",
+                                  "sub\\model.safetensors", "C:model.safetensors"])
 def test_the_index_stays_inside_its_directory(sharded, tmp_path, name):
     src, _ = sharded
     bad = _copy_dir(src, tmp_path / "bad")
@@ -165,3 +166,16 @@ def test_symlinked_shards_in_the_hub_cache_layout(sharded, tmp_path):
         os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snapshot / entry.name)
     loaded = fpq.load_quantized(snapshot, fp_quantization=SECTION)
     _assert_same(loaded, fpq.load_quantized(src, fp_quantization=SECTION))
+
+
+def test_an_empty_index_is_an_error_and_a_single_file_comes_first(sharded, tmp_path):
+    src, _ = sharded
+    bad = _copy_dir(src, tmp_path / "bad")
+    (bad / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match="is not a safetensors index .*weight_map lists no tensors"):
+        checkpoint.quantize_checkpoint(bad, tmp_path / "q", "e4m3", progress=False)
+    # model.safetensors beside an index (a folder saved twice): read alone, as transformers reads it
+    both = _copy_dir(src, tmp_path / "both")
+    save_file(_read_indexed(src), str(both / "model.safetensors"), metadata={"format": "pt"})
+    _add_stale_copies(both, STALE)  # the shards now disagree with the single file, which wins
+    _assert_same(fpq.load_quantized(both, fp_quantization=SECTION), fpq.load_quantized(src, fp_quantization=SECTION))

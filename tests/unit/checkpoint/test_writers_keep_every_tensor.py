@@ -135,3 +135,29 @@ def test_a_source_that_does_not_fit_its_model_is_refused_before_writing(tmp_path
     with pytest.raises(ValueError, match=message):
         checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "e4m3", progress=False)
     assert not (tmp_path / "q").exists()
+
+
+def test_legacy_names_that_transformers_renames_are_found(tmp_path):
+    """Old BERT checkpoints name LayerNorm weights gamma / beta (transformers' legacy renamings load them): the
+    source fits its model, and the tensors are copied as stored."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128)
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "src")
+    tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): t
+               for k, t in read_tensors(tmp_path / "src").items()}
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    summary = checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "e4m3", group_size=32, progress=False)
+    written = read_tensors(tmp_path / "q")
+    assert summary["quantized"] == 13 and "bert.embeddings.LayerNorm.gamma" in written
+
+
+def test_quantize_while_loading_checks_the_source_first(tmp_path):
+    """A linear weight of another shape loaded as a layer of other in_features before (and failed at the first
+    forward); now the load is refused, naming it."""
+    _llama().save_pretrained(tmp_path / "src")
+    _rewrite(tmp_path / "src", lambda t: t.update({"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    with pytest.raises(ValueError, match=r"other shapes \(stored, model\) \{'model\.layers\.1\.self_attn\.o_proj"):
+        fpq.load_quantized(tmp_path / "src", fp_quantization={"fmt": "e4m3"})

@@ -81,8 +81,11 @@ def test_loaded_model_pickles_and_saves_again(tmp_path):
     for how, again in _round_trips(model):
         _assert_same_model(again, model, how)
     again = pickle.loads(pickle.dumps(model))
-    again.save_pretrained(tmp_path / "resaved")  # the unpickled model's save_pretrained writes its own weights
-    _assert_same_model(fpq.load_quantized(tmp_path / "resaved"), model, "resaved")
+    assert again.save_pretrained.model is again
+    with torch.no_grad():
+        again.transformer.ln_f.weight.add_(1.0)  # now unlike the original: the saved files must be again's
+    again.save_pretrained(tmp_path / "resaved")
+    _assert_same_model(fpq.load_quantized(tmp_path / "resaved"), again, "resaved")
 
 
 def test_init_inference_model_pickles():
@@ -114,9 +117,12 @@ def test_state_dict_into_a_fresh_model_and_dtype_casts(name):
     make, section = MODELS[name]
     model = fpq.apply(make(), {"fp_quantization": section})
     fresh = fpq.apply(make(), {"fp_quantization": section})
-    with torch.no_grad():  # a fresh model with other weights: the state dict must replace every one of them
+    with torch.no_grad():  # a fresh model with other weights, codes and scales: the state dict replaces them all
         for p in fresh.parameters():
             p.add_(1.0)
+        for b in fresh.buffers():
+            if b.dtype == torch.uint8:
+                b.add_(1)
     fresh.load_state_dict(model.state_dict())
     _assert_same_model(fresh, model, "load_state_dict")
     quantized = {k: t.clone() for k, t in _stored(model).items() if t.dtype == torch.uint8}
