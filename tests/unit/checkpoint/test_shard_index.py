@@ -179,3 +179,24 @@ def test_an_empty_index_is_an_error_and_a_single_file_comes_first(sharded, tmp_p
     save_file(_read_indexed(src), str(both / "model.safetensors"), metadata={"format": "pt"})
     _add_stale_copies(both, STALE)  # the shards now disagree with the single file, which wins
     _assert_same(fpq.load_quantized(both, fp_quantization=SECTION), fpq.load_quantized(src, fp_quantization=SECTION))
+
+
+def test_moe_per_expert_keys_follow_the_index(tmp_path):
+    """The MoE key mapping (per-expert matrices into fused stacks) reads the same indexed headers: a stale
+    copy of an expert's matrix in another shard is ignored by the writer and by quantize-while-loading."""
+    from unit.moe_models import tiny_moe
+
+    model = tiny_moe("mixtral")
+    model.save_pretrained(tmp_path / "src", max_shard_size="60KB")
+    expert = next(k for k in _weight_map(tmp_path / "src") if ".experts.0." in k and k.endswith(".weight"))
+    stale = _copy_dir(tmp_path / "src", tmp_path / "stale")
+    _add_stale_copies(stale, [expert])
+    section = {"fmt": "e2m1", "group_size": 16}
+    with pytest.warns(UnindexedTensorsWarning, match=expert.replace(".", r"\.")):
+        checkpoint.quantize_checkpoint(stale, tmp_path / "q_stale", progress=False, **section)
+    checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", progress=False, **section)
+    got, want = _read_indexed(tmp_path / "q_stale"), _read_indexed(tmp_path / "q")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.warns(UnindexedTensorsWarning):
+        loaded = fpq.load_quantized(stale, fp_quantization=section)
+    _assert_same(loaded, fpq.load_quantized(tmp_path / "src", fp_quantization=section))
