@@ -93,17 +93,18 @@ class CheckpointKeys:
         self.other_converters: List = []
         if not hasattr(model, "config"):
             return
-        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-        for transform in get_model_conversion_mapping(model, add_legacy=False):
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+        for transform in transforms:
             if isinstance(transform, WeightRenaming):
                 self.renamings.append(transform)
             elif isinstance(transform, WeightConverter) and _op_signature(transform) is not None:
                 self.converters.append(transform)
         # for check_fits only: what transformers also applies when it loads (the legacy renamings such as
-        # LayerNorm.gamma -> .weight), and the converters this module does not model (fused qkv, transposes)
-        everything = get_model_conversion_mapping(model, add_legacy=True)
+        # LayerNorm.gamma -> .weight, which add_legacy=True appends), and the converters not modelled here
+        everything = [*transforms, *(get_checkpoint_conversion_mapping("legacy") or [])]
         self.legacy_renamings = [t for t in everything if isinstance(t, WeightRenaming)]
         self.other_converters = [t for t in everything if isinstance(t, WeightConverter)
                                  and _op_signature(t) is None]

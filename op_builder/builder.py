@@ -165,9 +165,10 @@ class ProjectOpMixin:
             for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
                 digest.update(f"{path.relative_to(root.parent)}\0".encode())
                 digest.update(path.read_bytes())
+        args = self.cxx_args()
         facts = [type(self).__name__, torch.__version__, str(torch.version.cuda), sys.version.split()[0],
-                 *self.cxx_args(), *self.extra_ldflags(), *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV),
-                 resolved_target(os.environ.get("CXX", "c++"), target_flags(self.cxx_args()))]
+                 *args, *self.extra_ldflags(), *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV),
+                 resolved_target(os.environ.get("CXX", "c++"), target_flags(args))]
         digest.update("\0".join(facts).encode())
         return f"{self.NAME}_{digest.hexdigest()[:16]}"
 
