@@ -16,24 +16,18 @@ from safetensors.torch import save_file
 import ds_fpquant as fpq
 from ds_fpquant import checkpoint
 from ds_fpquant.model_files import UnindexedTensorsWarning
+from unit.tiny_models import assert_same_tensors, tiny_llama
 
 INDEX = "model.safetensors.index.json"
 IDS = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(6))
 SECTION = {"fmt": "e4m3", "block": [32, 32]}
 
 
-def _llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """A full-precision checkpoint in several shards with an index, and its model."""
     path = tmp_path_factory.mktemp("llama")
-    model = _llama()
+    model = tiny_llama()
     model.save_pretrained(path, max_shard_size="60KB")
     assert (path / INDEX).is_file() and len(set(json.loads((path / INDEX).read_text())["weight_map"].values())) > 2
     return path, model
@@ -75,17 +69,6 @@ def _add_stale_copies(directory, keys):
         save_file(tensors, str(directory / other), metadata={"format": "pt"})
 
 
-def _stored(model):
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def _assert_same(a, b):
-    sa, sb = _stored(a), _stored(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key].reshape(-1).view(torch.uint8), sb[key].reshape(-1).view(torch.uint8)), key
-
-
 STALE = ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]  # a weight to quantize, a tensor to keep
 
 
@@ -109,7 +92,7 @@ def test_load_quantized_of_block_fp8_takes_the_indexed_copy(sharded, tmp_path):
                               "model.embed_tokens.weight"])
     with pytest.warns(UnindexedTensorsWarning, match=r"3 tensor\(s\)"):
         loaded = fpq.load_quantized(stale)
-    _assert_same(loaded, fpq.load_quantized(tmp_path / "q"))
+    assert_same_tensors(loaded, fpq.load_quantized(tmp_path / "q"))
 
 
 def test_quantize_while_loading_takes_the_indexed_copy(sharded, tmp_path):
@@ -119,7 +102,7 @@ def test_quantize_while_loading_takes_the_indexed_copy(sharded, tmp_path):
     with pytest.warns(UnindexedTensorsWarning):
         loaded = fpq.load_quantized(stale, fp_quantization=SECTION)  # before: AttributeError on the second copy
     reference = fpq.apply(transformers.AutoModelForCausalLM.from_pretrained(src), {"fp_quantization": SECTION})
-    _assert_same(loaded, reference)
+    assert_same_tensors(loaded, reference)
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, reference(IDS).logits)  # the same modules and calls
 
@@ -165,7 +148,7 @@ def test_symlinked_shards_in_the_hub_cache_layout(sharded, tmp_path):
         (blobs / f"blob{i}").write_bytes(entry.read_bytes())
         os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snapshot / entry.name)
     loaded = fpq.load_quantized(snapshot, fp_quantization=SECTION)
-    _assert_same(loaded, fpq.load_quantized(src, fp_quantization=SECTION))
+    assert_same_tensors(loaded, fpq.load_quantized(src, fp_quantization=SECTION))
 
 
 def test_an_empty_index_is_an_error_and_a_single_file_comes_first(sharded, tmp_path):
@@ -178,7 +161,7 @@ def test_an_empty_index_is_an_error_and_a_single_file_comes_first(sharded, tmp_p
     both = _copy_dir(src, tmp_path / "both")
     save_file(_read_indexed(src), str(both / "model.safetensors"), metadata={"format": "pt"})
     _add_stale_copies(both, STALE)  # the shards now disagree with the single file, which wins
-    _assert_same(fpq.load_quantized(both, fp_quantization=SECTION), fpq.load_quantized(src, fp_quantization=SECTION))
+    assert_same_tensors(fpq.load_quantized(both, fp_quantization=SECTION), fpq.load_quantized(src, fp_quantization=SECTION))
 
 
 def test_moe_per_expert_keys_follow_the_index(tmp_path):
@@ -199,4 +182,4 @@ def test_moe_per_expert_keys_follow_the_index(tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     with pytest.warns(UnindexedTensorsWarning):
         loaded = fpq.load_quantized(stale, fp_quantization=section)
-    _assert_same(loaded, fpq.load_quantized(tmp_path / "src", fp_quantization=section))
+    assert_same_tensors(loaded, fpq.load_quantized(tmp_path / "src", fp_quantization=section))

@@ -16,42 +16,19 @@ import ds_fpquant as fpq
 from ds_fpquant import checkpoint
 from unit.moe_models import tiny_moe
 from unit.safetensors_files import read_tensors
+from unit.tiny_models import tiny_gpt2, tiny_gpt_oss, tiny_llama
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
 
 
-def _llama(tie=False):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=100, max_position_embeddings=64,
-                                      tie_word_embeddings=tie)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0,
-                                     eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def _gpt_oss():
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                       num_experts_per_tok=2, max_position_embeddings=64,
-                                       layer_types=["full_attention"] * 2)
-    return transformers.GptOssForCausalLM(config).eval()
-
-
 #: family -> (model, quantize_checkpoint settings, whether both writers name every tensor alike)
 FAMILIES = {
-    "dense": (_llama, {"fmt": "e4m3", "block": (32, 32)}, True),
-    "tied-head": (lambda: _llama(tie=True), {"fmt": "e2m1", "group_size": 16}, True),
-    "gpt2-conv1d": (_gpt2, {"fmt": "e3m2", "group_size": 32}, True),
+    "dense": (tiny_llama, {"fmt": "e4m3", "block": (32, 32)}, True),
+    "tied-head": (lambda: tiny_llama(tie=True), {"fmt": "e2m1", "group_size": 16}, True),
+    "gpt2-conv1d": (tiny_gpt2, {"fmt": "e3m2", "group_size": 32}, True),
     # the router: the command keeps the release's key (block_sparse_moe.gate), save_quantized the model's (mlp.gate)
     "moe": (lambda: tiny_moe("mixtral"), {"fmt": "e4m3", "block": (8, 32)}, False),
-    "moe-expert-biases": (_gpt_oss, {"fmt": "e4m3", "group_size": 32}, True),
+    "moe-expert-biases": (tiny_gpt_oss, {"fmt": "e4m3", "group_size": 32}, True),
 }
 
 
@@ -130,7 +107,7 @@ def _as_gpt_oss_mxfp4(tensors):
 def test_a_source_that_does_not_fit_its_model_is_refused_before_writing(tmp_path, edit, message):
     """Issue 25: before, a gpt-oss source stored as *_blocks / *_scales was written with no expert weights
     (listed as kept) and its own load_quantized then refused the result."""
-    _gpt_oss().save_pretrained(tmp_path / "src")
+    tiny_gpt_oss().save_pretrained(tmp_path / "src")
     _rewrite(tmp_path / "src", edit)
     with pytest.raises(ValueError, match=message):
         checkpoint.quantize_checkpoint(tmp_path / "src", tmp_path / "q", "e4m3", progress=False)
@@ -157,7 +134,7 @@ def test_legacy_names_that_transformers_renames_are_found(tmp_path):
 def test_quantize_while_loading_checks_the_source_first(tmp_path):
     """A linear weight of another shape loaded as a layer of other in_features before (and failed at the first
     forward); now the load is refused, naming it."""
-    _llama().save_pretrained(tmp_path / "src")
+    tiny_llama().save_pretrained(tmp_path / "src")
     _rewrite(tmp_path / "src", lambda t: t.update({"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)}))
     with pytest.raises(ValueError, match=r"other shapes \(stored, model\) \{'model\.layers\.1\.self_attn\.o_proj"):
         fpq.load_quantized(tmp_path / "src", fp_quantization={"fmt": "e4m3"})

@@ -12,21 +12,15 @@ import pickle
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import ds_fpquant as fpq
 from ds_fpquant.checkpoint import QuantizedSavePretrained
 from ds_fpquant.experts import EagerExpertsForward
 from ds_fpquant.module import quantize_weight_in_place
 from unit.moe_models import tiny_moe
+from unit.tiny_models import assert_same_tensors, stored_tensors, tiny_gpt2
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg).eval()
 
 
 def _round_trips(model):
@@ -38,24 +32,16 @@ def _round_trips(model):
             ("deepcopy", copy.deepcopy(model))]
 
 
-def _stored(model):
-    """Every parameter and buffer, by name (the quantized weights' codes and scales among them)."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
 def _assert_same_model(again, model, how):
-    ours, theirs = _stored(again), _stored(model)
-    assert ours.keys() == theirs.keys(), how
-    for key, tensor in theirs.items():
-        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), f"{how}: {key}"
+    assert_same_tensors(again, model, how)
     with torch.no_grad():  # the same modules and tensors: the same calls, the same bits
         assert torch.equal(again(IDS).logits, model(IDS).logits), how
 
 
 MODELS = {
-    "gpt2-e4m3": (_gpt2, {"fmt": "e4m3", "group_size": 32}),
-    "gpt2-nvfp4": (_gpt2, {"fmt": "nvfp4"}),
-    "gpt2-blocks-w8a8": (_gpt2, {"fmt": "e4m3", "block": [128, 128], "activation": "e4m3"}),
+    "gpt2-e4m3": (tiny_gpt2, {"fmt": "e4m3", "group_size": 32}),
+    "gpt2-nvfp4": (tiny_gpt2, {"fmt": "nvfp4"}),
+    "gpt2-blocks-w8a8": (tiny_gpt2, {"fmt": "e4m3", "block": [128, 128], "activation": "e4m3"}),
     "mixtral-e2m1": (lambda: tiny_moe("mixtral"), {"fmt": "e2m1", "group_size": 16}),
     "deepseek_v3-mxfp4": (lambda: tiny_moe("deepseek_v3"), {"fmt": "mxfp4"}),
 }
@@ -75,7 +61,7 @@ def test_applied_models_pickle_save_and_copy(name):
 
 def test_loaded_model_pickles_and_saves_again(tmp_path):
     src = tmp_path / "src"
-    _gpt2().save_pretrained(src)
+    tiny_gpt2().save_pretrained(src)
     fpq.quantize_checkpoint(src, tmp_path / "q", "e2m1", group_size=16, progress=False)
     model = fpq.load_quantized(tmp_path / "q")
     for how, again in _round_trips(model):
@@ -89,7 +75,7 @@ def test_loaded_model_pickles_and_saves_again(tmp_path):
 
 
 def test_init_inference_model_pickles():
-    engine = fpq.init_inference(_gpt2(), {"fp_quantization": {"fmt": "e3m2", "group_size": 32}, "dtype": torch.float32})
+    engine = fpq.init_inference(tiny_gpt2(), {"fp_quantization": {"fmt": "e3m2", "group_size": 32}, "dtype": torch.float32})
     for how, again in _round_trips(engine.module):
         _assert_same_model(again, engine.module, how)
 
@@ -125,9 +111,9 @@ def test_state_dict_into_a_fresh_model_and_dtype_casts(name):
                 b.add_(1)
     fresh.load_state_dict(model.state_dict())
     _assert_same_model(fresh, model, "load_state_dict")
-    quantized = {k: t.clone() for k, t in _stored(model).items() if t.dtype == torch.uint8}
+    quantized = {k: t.clone() for k, t in stored_tensors(model).items() if t.dtype == torch.uint8}
     model.to(torch.bfloat16)
-    assert all(torch.equal(_stored(model)[k], t) for k, t in quantized.items())  # codes and scales are bytes
+    assert all(torch.equal(stored_tensors(model)[k], t) for k, t in quantized.items())  # codes and scales are bytes
     with torch.no_grad():
         out = model(IDS).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
