@@ -52,18 +52,22 @@ class LinearResult:
     model_vs_bf16: Optional[float] = None
 
 
-def llc_bytes() -> int:
-    """Size of the largest CPU cache (sysfs), else :data:`FALLBACK_LLC_MIB`."""
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size of the largest CPU cache (sysfs ``index*/size``), else :data:`FALLBACK_LLC_MIB`. Entries that are
+    not caches (``uevent``) or cannot be read are skipped, each on its own."""
     sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for entry in os.listdir(root):
+        entries = [e for e in os.listdir(root) if e.startswith("index")]
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
             with open(os.path.join(root, entry, "size")) as fh:
                 text = fh.read().strip().upper()
             scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
             sizes.append(int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
     return max(sizes) if sizes else FALLBACK_LLC_MIB * MIB
 
 

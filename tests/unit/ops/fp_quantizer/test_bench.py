@@ -64,3 +64,17 @@ def test_bench_linear_quick_rows():
     bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--linear-formats", "fp8"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "fmt='fp8' is not supported" in bad.stderr
+
+
+def test_llc_is_read_from_every_cache_entry(tmp_path):
+    """sysfs lists ``uevent`` beside ``index0..3``; it made the whole read fail on some machines (the bench then
+    sized its model-sized pass for a 260 MiB fallback instead of the real L3)."""
+    from ds_fpquant.bench_linear import FALLBACK_LLC_MIB, llc_bytes
+
+    (tmp_path / "uevent").write_text("")
+    for i, size in enumerate(["48K", "32K", "2048K", "32768K"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    (tmp_path / "index9").mkdir()  # an entry without a size is skipped
+    assert llc_bytes(str(tmp_path)) == 32 * 2**20
+    assert llc_bytes(str(tmp_path / "missing")) == FALLBACK_LLC_MIB * 2**20
