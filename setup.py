@@ -12,7 +12,7 @@ then already be installed: ``DS_BUILD_FPQUANT_CPU=1 pip install --no-build-isola
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,7 +43,7 @@ def prebuilt_extensions():
 ext_modules, cmdclass = prebuilt_extensions()
 
 setup(
-    packages=["ds_fpquant", "ds_fpquant.op_builder", "ds_fpquant.csrc"],
+    packages=[*find_packages(include=["ds_fpquant", "ds_fpquant.*"]), "ds_fpquant.op_builder", "ds_fpquant.csrc"],
     package_dir={
         "ds_fpquant": "ds_fpquant",
         "ds_fpquant.op_builder": "op_builder",

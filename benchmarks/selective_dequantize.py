@@ -22,8 +22,9 @@ import sys
 
 import torch
 
-from ds_fpquant import FP_Quantize, backends
-from ds_fpquant.bench import make_timer
+from ds_fpquant import FP_Quantize
+from ds_fpquant.cli.bench.ops import make_timer
+from ds_fpquant.ops import backends
 
 MIB = 2**20
 

@@ -4,11 +4,10 @@ Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`Quan
 DeepSpeed drop-in :class:`FP_Quantize`, and the format table :data:`FORMATS`.
 """
 
-from .api import dequantize, quantize
-from .formats import FORMATS, PRESETS, FPFormat, get_format
-from .quantized_tensor import QuantizedTensor
-
-__version__ = "0.1.0"
+from ds_fpquant.numerics.formats import FORMATS, PRESETS, FPFormat, get_format
+from ds_fpquant.tensor.quantize import dequantize, quantize
+from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
+from ds_fpquant.version import __version__
 
 __all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "FORMATS", "PRESETS", "FPFormat",
            "get_format", "apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed", "FPQuantizationConfig",
@@ -17,16 +16,16 @@ __all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "FORMATS"
 # These need DeepSpeed (FP_Quantize subclasses its Quantizer; the config is a DeepSpeed config
 # model); DeepSpeed is imported only when one of them is asked for.
 _LAZY = {
-    "FP_Quantize": "fp_quantizer",
-    "apply": "integration",
-    "init_inference": "integration",
-    "patch_deepspeed": "integration",
-    "unpatch_deepspeed": "integration",
+    "FP_Quantize": "integration.fp_quantizer",
+    "apply": "integration.inference",
+    "init_inference": "integration.inference",
+    "patch_deepspeed": "integration.patching",
+    "unpatch_deepspeed": "integration.patching",
     "FPQuantizationConfig": "config",
-    "FPQuantizedLinear": "module",
-    "quantize_checkpoint": "checkpoint",
-    "load_quantized": "loader",
-    "save_quantized": "checkpoint",
+    "FPQuantizedLinear": "nn.quantized_linear",
+    "quantize_checkpoint": "checkpoint.writer",
+    "load_quantized": "checkpoint.reader",
+    "save_quantized": "checkpoint.writer",
 }
 
 

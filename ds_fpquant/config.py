@@ -1,4 +1,4 @@
-"""The ``"fp_quantization"`` section of a DeepSpeed config (pydantic, like DeepSpeed's own configs).
+"""Layer 6, config: the ``"fp_quantization"`` section of a DeepSpeed config (pydantic, like DeepSpeed's own configs).
 
 It is a top-level section: DeepSpeed ignores unknown top-level keys, while its
 ``weight_quantization`` and inference configs forbid extra fields. Example::
@@ -27,19 +27,37 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator, model_validator
 
-from .choices import ACTIVATIONS, ALL_SCALE_FORMATS, BACKENDS, COMPUTE_DTYPE_NAMES, ROUNDINGS, SCALE_FORMATS
-from .formats import FORMATS, PRESETS, resolve_preset, w8a8_weight_problem
+from ds_fpquant.numerics.choices import (
+    ACTIVATIONS,
+    ALL_SCALE_FORMATS,
+    BACKENDS,
+    COMPUTE_DTYPE_NAMES,
+    ROUNDINGS,
+    SCALE_FORMATS,
+)
+from ds_fpquant.numerics.formats import FORMATS, PRESETS, resolve_scaling, w8a8_weight_problem
 
 #: The top-level key of the section in a DeepSpeed config.
 SECTION = "fp_quantization"
+
+
 #: Output heads and embeddings stay in high precision unless the config says otherwise.
 DEFAULT_EXCLUDE = ("lm_head", "embed_out", "output_layer", "embed_tokens", "word_embeddings", "wte", "wpe")
 
+
 Backend = Literal[BACKENDS]
+
+
 #: "e4m3" only with fmt "nvfp4" (its group scale codes, SPEC 3.4), where it is also the default.
 ScaleFormat = Literal[ALL_SCALE_FORMATS]
+
+
 Rounding = Literal[ROUNDINGS]
+
+
 ComputeDtype = Literal[COMPUTE_DTYPE_NAMES]
+
+
 Activation = Literal[ACTIVATIONS]
 
 
@@ -121,12 +139,19 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
         """Every combination a module can get (the section, each override) is valid for its ``fmt``."""
         for where, override in [("", None), *((f"modules[{p!r}].", o) for p, o in self.modules.items())]:
             try:
-                self._settings(override)
+                self.settings(override)
             except ValueError as exc:
                 raise ValueError(f"{where or 'fp_quantization.'}{exc}") from None
         return self
 
-    def _settings(self, override: Optional[ModuleOverride]) -> Dict[str, Any]:
+    def settings(self, override: Optional[ModuleOverride] = None) -> Dict[str, Any]:
+        """Keyword arguments of :func:`ds_fpquant.quantize` of the section (``override``: with a ``modules``
+        override applied): ``fmt``, ``group_size``, ``block``, ``scale_format`` (resolved) and ``rounding``.
+
+        Raises:
+            ValueError: settings that contradict each other (see :func:`ds_fpquant.numerics.formats.resolve_scaling`)
+                or W8A8 with weights it cannot take.
+        """
         settings = dict(fmt=self.fmt, group_size=self.group_size, block=self.block,
                         scale_format=self.scale_format, rounding=self.rounding)
         if override is not None:
@@ -138,17 +163,9 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             if "group_size" in given:
                 settings["block"] = None
             settings.update(given)
-        fmt, block = settings["fmt"], settings["block"]
-        if fmt in PRESETS and block is not None:
-            raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim; "
-                             f"block={block!r} cannot be combined with it")
-        if block is not None:
-            if settings["group_size"] not in (None, block[1]):
-                raise ValueError(f"block={block!r} fixes the groups to Bc={block[1]} codes; got "
-                                 f"group_size={settings['group_size']} (give one of them)")
-            settings["group_size"] = block[1]
-        settings["group_size"], settings["scale_format"] = resolve_preset(fmt, settings["group_size"],
-                                                                          settings["scale_format"])
+        fmt = settings["fmt"]
+        settings["group_size"], settings["scale_format"], block = resolve_scaling(
+            fmt, settings["group_size"], settings["block"], settings["scale_format"])
         if fmt not in PRESETS and settings["scale_format"] not in SCALE_FORMATS:
             raise ValueError(f"scale_format={settings['scale_format']!r} is only for fmt='nvfp4'; allowed for "
                              f"fmt={fmt!r}: 'fp32', 'e8m0'")
@@ -166,11 +183,11 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
             return None
         for pattern, override in self.modules.items():
             if re.search(pattern, name):
-                return None if override.enabled is False else self._settings(override)
-        return self._settings(None)
+                return None if override.enabled is False else self.settings(override)
+        return self.settings(None)
 
 
-def _read(config) -> Mapping[str, Any]:
+def read_ds_config(config) -> Mapping[str, Any]:
     if isinstance(config, (str, os.PathLike)):
         with open(config) as fh:
             return json.load(fh)
@@ -190,7 +207,7 @@ def load_config(config: Union[str, os.PathLike, Mapping[str, Any], FPQuantizatio
     """
     if isinstance(config, FPQuantizationConfig):
         return config
-    data = _read(config)
+    data = read_ds_config(config)
     if SECTION in data:
         return FPQuantizationConfig(**data[SECTION])
     unknown = set(data) - set(FPQuantizationConfig.model_fields)
@@ -204,6 +221,6 @@ def split_config(config) -> Tuple[FPQuantizationConfig, Dict[str, Any]]:
     """(the ``fp_quantization`` section, the remaining DeepSpeed config keys)."""
     if config is None:
         return FPQuantizationConfig(), {}
-    data = dict(_read(config))
+    data = dict(read_ds_config(config))
     section = data.pop(SECTION, None)
     return FPQuantizationConfig(**(section or {})), data

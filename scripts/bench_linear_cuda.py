@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                 print(f"{r['n']}x{r['k']} M={r['m']:5d} {r['fmt']:>15}: {r['ms']:.4f} ms/layer, "
                       f"{r['vs_bf16']:.2f}x bf16, weights {r['weight_tbps']:.2f} TB/s "
                       f"({100 * r['weight_tbps'] / args.peak_tbps:.0f}% of peak)", flush=True)
-        del weights, quantized
+        weights = quantized = None  # freed before the next shape's weights
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:

@@ -25,10 +25,10 @@ def main() -> int:
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     import torch
 
-    from ds_fpquant.formats import traits_table
+    from ds_fpquant.cli.report import self_test
+    from ds_fpquant.numerics.formats import traits_table
     from ds_fpquant.op_builder.builder import cuda_tool
     from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
-    from ds_fpquant.report import self_test
 
     result = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "gpu": torch.cuda.is_available()}
     builder = FPQuantizerBuilder()

@@ -96,8 +96,8 @@ def main() -> None:
                 for k in fh.keys():
                     s = fh.get_slice(k)
                     sizes[k] = torch.Size(s.get_shape()).numel() * 4
-        imports = _run_sampled([sys.executable, "-c", "import torch, transformers, safetensors, ds_fpquant.checkpoint, "
-                                "ds_fpquant.api; ds_fpquant.api.quantize(torch.zeros(2, 2), 'e4m3')"])
+        imports = _run_sampled([sys.executable, "-c", "import torch, transformers, safetensors, ds_fpquant.checkpoint.writer, "
+                                "ds_fpquant.tensor.quantize; ds_fpquant.tensor.quantize.quantize(torch.zeros(2, 2), 'e4m3')"])
         if args.load:
             _compare_loads(src, args.fmt, sizes, imports)
             return

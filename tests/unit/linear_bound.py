@@ -14,6 +14,7 @@ Where both sides run the same calls on the same tensors in the same order, tests
 import torch
 
 import ds_fpquant as fpq
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 EPS_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 #: Half the output dtype's smallest subnormal: the absolute rounding error of a tiny result.
@@ -65,10 +66,11 @@ class LinearCalls:
     each, so that a model's forward can be checked call by call against ``assert_linear_within_bound``."""
 
     def __init__(self, monkeypatch):
-        from ds_fpquant import linear as linear_module, module as module_module
+        from ds_fpquant.linear import weights as weights_module
+        from ds_fpquant.nn import quantized_linear as layer_module
 
         self.calls = []
-        original = linear_module.linear
+        original = weights_module.linear
 
         def recording(x, qt, bias=None, **kwargs):
             y = original(x, qt, bias, **kwargs)
@@ -76,8 +78,8 @@ class LinearCalls:
                                kwargs.get("activation")))
             return y
 
-        monkeypatch.setattr(linear_module, "linear", recording)  # QuantizedWeight's F.linear / matmul
-        monkeypatch.setattr(module_module, "fused_linear", recording)  # FPQuantizedLinear.forward
+        monkeypatch.setattr(weights_module, "linear", recording)  # QuantizedWeight's F.linear / matmul
+        monkeypatch.setattr(layer_module, "fused_linear", recording)  # FPQuantizedLinear.forward
 
     def assert_each_within_bound(self):
         """Each recorded weight-only call within :func:`assert_linear_within_bound` of its own inputs."""
@@ -118,12 +120,12 @@ def dequantized_model(model, quantized):
     model computes, to be evaluated in fp64 (``.double()``) as the exact value of :func:`assert_as_accurate_as`."""
     import copy
 
-    from ds_fpquant.module import FPQuantizedLinear
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
     deq = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in quantized.named_modules():
-            if hasattr(module, "_fpq_experts"):
+            if quantized_experts(module):
                 raise NotImplementedError(f"{name}: quantized expert stacks are not replaced here")
             if isinstance(module, FPQuantizedLinear):
                 target = deq.get_submodule(name)

@@ -6,10 +6,11 @@ import typing
 import pytest
 
 import ds_fpquant as fpq
-from ds_fpquant import choices
-from ds_fpquant.cli import quantize_parser
+from ds_fpquant.cli.quantize import quantize_parser
 from ds_fpquant.config import FPQuantizationConfig
-from ds_fpquant.formats import FORMATS, PRESETS
+from ds_fpquant.numerics import choices
+from ds_fpquant.numerics.formats import FORMATS, PRESETS
+from ds_fpquant.tensor.quantize import check_settings
 
 
 def _cli_choices():
@@ -39,8 +40,8 @@ def test_check_settings_resolves_as_quantize_does():
     for fmt, group_size, block, scale_format in [("e4m3", None, None, None), ("mxfp4", None, None, None),
                                                   ("nvfp4", None, None, None), ("e2m1", None, (2, 32), "e8m0")]:
         qt = fpq.quantize(x, fmt, group_size, block=block, scale_format=scale_format)
-        assert fpq.api.check_settings(fmt, group_size, block=block, scale_format=scale_format) == (
+        assert check_settings(fmt, group_size, block=block, scale_format=scale_format) == (
             qt.group_size, qt.scale_format, qt.block)
         assert qt.validate() is qt
     with pytest.raises(ValueError, match="rounding='sometimes' is not supported"):
-        fpq.api.check_settings("e4m3", rounding="sometimes")
+        check_settings("e4m3", rounding="sometimes")

@@ -10,14 +10,14 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-
-import ds_fpquant as fpq
-from ds_fpquant import checkpoint
-from ds_fpquant.cli import quantize_main
-from ds_fpquant.experts import expert_views
-from ds_fpquant.module import FPQuantizedLinear
 from unit.moe_models import KINDS, tiny_moe
 from unit.safetensors_files import read_tensors as _tensors
+
+import ds_fpquant as fpq
+from ds_fpquant.checkpoint import writer as checkpoint
+from ds_fpquant.cli.quantize import quantize_main
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 #: Per-expert checkpoint keys of expert 0 in layer 1, as save_pretrained writes them.
 EXPERT_KEYS = {"mixtral": ["model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.block_sparse_moe.experts.0.w2",
@@ -45,14 +45,13 @@ def _dequantized_weights(model):
     for name, module in model.named_modules():
         if isinstance(module, FPQuantizedLinear):
             out[f"{name}.weight"] = fpq.dequantize(module.quantized_weight, torch.float32)
-        for pname, meta in getattr(module, "_fpq_experts", {}).items():
-            out[f"{name}.{pname}"] = torch.stack([fpq.dequantize(qt, torch.float32)
-                                                  for qt in expert_views(module, pname, meta)])
+        for pname, experts in quantized_experts(module).items():
+            out[f"{name}.{pname}"] = torch.stack([fpq.dequantize(qt, torch.float32) for qt in experts])
     return out
 
 
 def _n_expert_stacks(model):
-    return sum(len(getattr(m, "_fpq_experts", {})) for m in model.modules())
+    return sum(len(quantized_experts(m)) for m in model.modules())
 
 
 #: (CLI arguments, the same settings as an fp_quantization section)
@@ -123,7 +122,7 @@ def test_partial_blocks_are_kept_by_default_and_written_on_request(moe_dirs, tmp
     kept = fpq.load_quantized(tmp_path / "kept")
     gate_up = kept.model.layers[0].mlp.experts.gate_up_proj
     assert isinstance(gate_up, torch.nn.Parameter) and torch.equal(gate_up, model.model.layers[0].mlp.experts.gate_up_proj)
-    assert set(kept.model.layers[0].mlp.experts._fpq_experts) == {"down_proj"}
+    assert set(quantized_experts(kept.model.layers[0].mlp.experts)) == {"down_proj"}
 
     summary = checkpoint.quantize_checkpoint(src, tmp_path / "all", "e4m3", block=(64, 32), allow_partial_blocks=True,
                                              progress=False)

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 import transformers
+from unit.moe_models import tiny_moe
 
 import ds_fpquant as fpq
-from ds_fpquant.module import FPQuantizedLinear
-from unit.moe_models import tiny_moe
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
 SECTIONS = [{"fmt": "e4m3", "group_size": 32}, {"fmt": "nvfp4"}, {"fmt": "e2m1", "block": [16, 32]},
@@ -56,7 +57,7 @@ def _stored(model):
     """Every quantized weight's buffers (codes, scales, NVFP4 tensor scale), by name."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, FPQuantizedLinear) or getattr(module, "_fpq_experts", None):
+        if isinstance(module, FPQuantizedLinear) or quantized_experts(module):
             for bname, buffer in module.named_buffers(recurse=False):
                 out[f"{name}.{bname}"] = buffer
     return out

@@ -10,11 +10,13 @@ import sys
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from unit.safetensors_files import read_tensors as _tensors
 
 import ds_fpquant as fpq
-from ds_fpquant import api, checkpoint, model_files
-from ds_fpquant.module import FPQuantizedLinear
-from unit.safetensors_files import read_tensors as _tensors
+from ds_fpquant.checkpoint import hf_files as model_files
+from ds_fpquant.checkpoint import writer as checkpoint
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+from ds_fpquant.tensor import quantize as api
 
 
 def _sha(t: torch.Tensor) -> str:

@@ -12,11 +12,11 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
+from unit.tiny_models import assert_same_tensors, tiny_llama
 
 import ds_fpquant as fpq
-from ds_fpquant import checkpoint
-from ds_fpquant.model_files import UnindexedTensorsWarning
-from unit.tiny_models import assert_same_tensors, tiny_llama
+from ds_fpquant.checkpoint import writer as checkpoint
+from ds_fpquant.checkpoint.hf_files import UnindexedTensorsWarning
 
 INDEX = "model.safetensors.index.json"
 IDS = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(6))

@@ -11,12 +11,13 @@ import copy
 import pytest
 import torch
 import transformers
-
-import ds_fpquant as fpq
-from ds_fpquant import checkpoint
 from unit.moe_models import tiny_moe
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_gpt2, tiny_gpt_oss, tiny_llama
+
+import ds_fpquant as fpq
+from ds_fpquant.checkpoint import writer as checkpoint
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -43,7 +44,7 @@ def _quantized_keys(model):
         prefix = f"{name}." if name else ""
         if isinstance(module, fpq.FPQuantizedLinear):
             keys |= {f"{prefix}{k}" for k in ("weight_codes", "weight_scales", "weight_tensor_scale", "_extra_state")}
-        for pname in getattr(module, "_fpq_experts", {}):
+        for pname in quantized_experts(module):
             keys |= {f"{prefix}{pname}_{k}" for k in ("codes", "scales", "tensor_scale")}
     return keys
 

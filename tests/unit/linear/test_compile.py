@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
+from unit.linear_bound import assert_as_accurate_as, dequantized_model, matmul_within_bound
 
 import ds_fpquant as fpq
-from ds_fpquant import library
+from ds_fpquant.linear import custom_ops as library
 from ds_fpquant.linear import linear as quantized_linear
-from unit.linear_bound import assert_as_accurate_as, dequantized_model, matmul_within_bound
 
 transformers = pytest.importorskip("transformers")
 

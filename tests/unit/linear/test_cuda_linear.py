@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound
 
 import ds_fpquant as fpq
-from ds_fpquant import linear as linear_module
-from unit.linear_bound import assert_linear_within_bound
+from ds_fpquant.linear import linear
+from ds_fpquant.linear import weight_only as linear_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,7 +30,7 @@ def test_cuda_linear_within_bound(monkeypatch, fmt, kwargs, dtype, m):
     w = torch.randn(300, 300)
     qt = fpq.quantize(w, fmt, **kwargs)
     x, bias = torch.randn(m, 300).to(dtype), torch.randn(300)
-    y = linear_module.linear(x.cuda(), _cuda(qt), bias.cuda())
+    y = linear(x.cuda(), _cuda(qt), bias.cuda())
     assert y.device.type == "cuda" and y.dtype == dtype
     assert_linear_within_bound(x, qt, bias, y.cpu())
 
@@ -41,6 +42,6 @@ def test_cuda_w8a8_matches_the_cpu_math(layout, m):
     product of the e4m3-quantized activations and the weight."""
     qt = fpq.quantize(torch.randn(256, 384), "e4m3", **layout)
     x, bias = torch.randn(m, 384), torch.randn(256)
-    y = linear_module.linear(x.cuda(), _cuda(qt), bias.cuda(), activation="e4m3")
+    y = linear(x.cuda(), _cuda(qt), bias.cuda(), activation="e4m3")
     xd = fpq.dequantize(fpq.quantize(x, "e4m3", 128), torch.float32)
     assert_linear_within_bound(xd, qt, bias, y.cpu())

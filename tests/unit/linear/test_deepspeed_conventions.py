@@ -13,11 +13,11 @@ import pytest
 import torch
 from deepspeed.linear import LoRAConfig, OptimizedLinear, QuantizationConfig
 from deepspeed.linear.quantization import QuantizedLinear, QuantizedParameter
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
-from ds_fpquant import fp_quantizer as fp_quantizer_module
-from unit.oracle import assert_bitwise_equal
+from ds_fpquant.integration import fp_quantizer as fp_quantizer_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: What DeepSpeed means by q_bits with its default q_mantisa_bits=3 (and with the format's own bits).

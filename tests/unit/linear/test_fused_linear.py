@@ -9,13 +9,15 @@ dtype's rounding error (relative, or half its smallest subnormal). M covers the 
 
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound as _check
+from unit.linear_bound import matmul_within_bound
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
-from ds_fpquant import linear as linear_module
-from ds_fpquant.linear import SMALL_M, linear
-from ds_fpquant.module import FPQuantizedLinear
-from unit.linear_bound import assert_linear_within_bound as _check, matmul_within_bound
-from unit.oracle import assert_bitwise_equal
+from ds_fpquant.linear import linear
+from ds_fpquant.linear import weight_only as linear_module
+from ds_fpquant.linear.weight_only import SMALL_M
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 TOKENS = (1, 2, 3, 16, 17, 300)
 
@@ -192,7 +194,7 @@ def test_torch_backend_3d_strided_bf16_with_bias():
 def test_quantized_weight_stands_in_for_a_weight():
     """DeepSpeed's AutoTP forward shapes: matmul with .transpose(-1, -2), .t(), .T, .mT and F.linear run the
     fused op in the weight's (compute) dtype and return x's dtype; anything else sees the dequantized weight."""
-    from ds_fpquant.linear import QuantizedWeight
+    from ds_fpquant.linear.weights import QuantizedWeight
 
     qt = fpq.quantize(_weight(8, 32), "e4m3", 16)
     x = torch.randn(3, 32)

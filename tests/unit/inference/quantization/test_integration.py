@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
 from ds_fpquant.config import DEFAULT_EXCLUDE, FPQuantizationConfig, load_config, split_config
+from ds_fpquant.integration.inference import is_quantized_model
 from ds_fpquant.linear import linear as fused_linear
-from ds_fpquant.module import FPQuantizedLinear
-from unit.oracle import assert_bitwise_equal
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,7 @@ class TestInitInference:
         model = copy.deepcopy(gpt2)
         with pytest.raises(ValueError, match="replace_with_kernel_inject=True cannot run ds_fpquant's quantized"):
             fpq.init_inference(model, {"fp_quantization": {"fmt": "e4m3"}, "replace_with_kernel_inject": True})
-        assert not fpq.integration.is_quantized_model(model)  # refused before anything changed
+        assert not is_quantized_model(model)  # refused before anything changed
         quantized = fpq.apply(copy.deepcopy(gpt2), {"fp_quantization": {"fmt": "e4m3"}})
         if patched:
             fpq.patch_deepspeed()
@@ -258,7 +259,7 @@ def test_nvfp4_in_config_and_state_dict(gpt2):
 
 
 def test_nvfp4_autotp_style_in_place():
-    from ds_fpquant.module import quantize_weight_in_place
+    from ds_fpquant.nn.in_place import quantize_weight_in_place
     layer = torch.nn.Linear(48, 8)
     weight = layer.weight.detach().clone()
     x = torch.randn(3, 48)

@@ -6,12 +6,14 @@ import copy
 
 import pytest
 import torch
-
-import ds_fpquant as fpq
-from ds_fpquant import integration
-from ds_fpquant.experts import QuantizedExperts, expert_parameter_names
 from unit.linear_bound import LinearCalls
 from unit.moe_models import tiny_moe as _tiny
+
+import ds_fpquant as fpq
+from ds_fpquant.integration import inference as integration
+from ds_fpquant.linear.weights import QuantizedExperts
+from ds_fpquant.nn.model_walk import expert_parameter_names
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 pytest.importorskip("transformers")
 
@@ -48,11 +50,11 @@ def test_apply_quantizes_every_expert_and_matches_the_dequantized_model(kind, se
     config = {"fp_quantization": {**section, "backend": "torch", "exclude": ["self_attn", "lm_head", "shared",
                                                                              r"mlp\.(gate|up|down)_proj"]}}
     quantized = integration.apply(copy.deepcopy(model), config)
-    for name, module in quantized.named_modules():
+    for module in quantized.modules():
         for pname in ("gate_up_proj", "down_proj"):
             if hasattr(module, f"{pname}_codes"):
                 assert module._parameters.get(pname) is None and getattr(module, pname) is None
-    n_quantized = sum(len(m._fpq_experts) for m in quantized.modules() if hasattr(m, "_fpq_experts"))
+    n_quantized = sum(len(quantized_experts(m)) for m in quantized.modules())
     assert n_quantized == sum(len(expert_parameter_names(m)) for _, m in stacks)
     with torch.no_grad():
         assert torch.equal(quantized(ids).logits, ref(ids).logits)
@@ -62,21 +64,19 @@ def test_apply_quantizes_every_expert_and_matches_the_dequantized_model(kind, se
     calls = LinearCalls(monkeypatch)
     with torch.no_grad():
         auto(ids)
-    routed = sum(1 for m in auto.modules() if hasattr(m, "_fpq_experts"))
+    routed = sum(1 for m in auto.modules() if quantized_experts(m))
     assert len(calls.calls) >= 2 * routed, "the experts did not run the quantized linear"
     calls.assert_each_within_bound()
 
 
 def test_experts_weigh_less_and_index_to_quantized_weights():
-    from ds_fpquant.experts import _materialize
-
     model = _tiny("mixtral")
     experts = model.model.layers[0].mlp.experts
     before = sum(p.numel() * 4 for p in experts.parameters())
     integration.apply(model, {"fp_quantization": {"fmt": "e4m3", "group_size": 32}})
     after = sum(b.numel() for n, b in experts.named_buffers() if n.endswith(("_codes", "_scales")))
     assert after < before / 3
-    _materialize(experts, (torch.zeros(1, 64),))  # what the forward pre-hook does
+    experts._forward_pre_hooks[next(iter(experts._forward_pre_hooks))](experts, (torch.zeros(1, 64),))  # the pre-hook
     stack = experts.gate_up_proj
     assert isinstance(stack, QuantizedExperts) and stack.shape == (4, 192, 64)
     w2 = stack[torch.tensor(2)]

@@ -12,13 +12,14 @@ import pickle
 
 import pytest
 import torch
-
-import ds_fpquant as fpq
-from ds_fpquant.checkpoint import QuantizedSavePretrained
-from ds_fpquant.experts import EagerExpertsForward
-from ds_fpquant.module import quantize_weight_in_place
 from unit.moe_models import tiny_moe
 from unit.tiny_models import assert_same_tensors, stored_tensors, tiny_gpt2
+
+import ds_fpquant as fpq
+from ds_fpquant.checkpoint.save_hook import QuantizedSavePretrained
+from ds_fpquant.nn.experts import EagerExpertsForward
+from ds_fpquant.nn.in_place import quantize_weight_in_place
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
 
@@ -55,7 +56,7 @@ def test_applied_models_pickle_save_and_copy(name):
         _assert_same_model(again, model, how)
         assert isinstance(again.save_pretrained, QuantizedSavePretrained) and again.save_pretrained.model is again
         for module in again.modules():
-            if hasattr(module, "_fpq_experts"):  # still the per-expert loop through the quantized linear
+            if quantized_experts(module):  # still the per-expert loop through the quantized linear
                 assert isinstance(module.forward, EagerExpertsForward) and module.forward.module is module
 
 

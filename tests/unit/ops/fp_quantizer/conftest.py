@@ -1,7 +1,6 @@
 """Fixtures of the kernel tests: the CUDA kernels executed by the CPU emulation (test_*emulation*.py)."""
 
 import pytest
-
 from unit.ops.fp_quantizer.emulation import cuda_emulation
 
 #: Emulated __CUDA_ARCH__ values: sm_90 (the target), sm_89 (the first with fp8 conversions) and unset

@@ -12,9 +12,10 @@ import torch
 from pydantic import ValidationError
 
 import ds_fpquant as fpq
-from ds_fpquant import FP_Quantize, backends
+from ds_fpquant import FP_Quantize
 from ds_fpquant.config import load_config
 from ds_fpquant.linear import linear
+from ds_fpquant.ops import backends
 
 DOC = Path(__file__).resolve().parents[4] / "docs" / "bad_inputs.md"
 ROW = re.compile(r"^\| (\S+) \| `(.+)` \| (\w+) \| (.+) \|$")

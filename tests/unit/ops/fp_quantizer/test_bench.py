@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from ds_fpquant import bench
+from ds_fpquant.cli.bench import ops as bench
 
 
 def test_bench_rows_and_ratios():
@@ -69,7 +69,7 @@ def test_bench_linear_quick_rows():
 def test_llc_is_read_from_every_cache_entry(tmp_path):
     """sysfs lists ``uevent`` beside ``index0..3``; it made the whole read fail on some machines (the bench then
     sized its model-sized pass for a 260 MiB fallback instead of the real L3)."""
-    from ds_fpquant.bench_linear import FALLBACK_LLC_MIB, llc_bytes
+    from ds_fpquant.cli.bench.linear import FALLBACK_LLC_MIB, llc_bytes
 
     (tmp_path / "uevent").write_text("")
     for i, size in enumerate(["48K", "32K", "2048K", "32768K"]):

@@ -4,12 +4,12 @@ row grouping with G = Bc; bit for bit against the oracle on every backend."""
 import numpy as np
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound
+from unit.oracle import SPEC_FMAX, assert_bitwise_equal, code_values, encode, pack_group
 
 import ds_fpquant as fpq
 from ds_fpquant.linear import linear as fused_linear
-from ds_fpquant.module import FPQuantizedLinear
-from unit.linear_bound import assert_linear_within_bound
-from unit.oracle import SPEC_FMAX, assert_bitwise_equal, code_values, encode, pack_group
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 FORMATS = list(fpq.FORMATS)
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-LOAD = ("import torch, ds_fpquant as fpq; from ds_fpquant.backends import load_op; m, why = load_op('cpu'); "
+LOAD = ("import torch, ds_fpquant as fpq; from ds_fpquant.ops.backends import load_op; m, why = load_op('cpu'); "
         "assert m is not None, why; x = torch.randn(8, 64); "
         "assert torch.equal(fpq.quantize(x, 'e2m1', 32, backend='cpu').codes, "
         "fpq.quantize(x, 'e2m1', 32, backend='torch').codes); print(m.__file__)")

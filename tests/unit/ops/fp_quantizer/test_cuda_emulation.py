@@ -13,11 +13,11 @@ instead of 0x00; the two must agree (emulated_op.cpp), so no output byte is left
 
 import pytest
 import torch
+from unit.ops.fp_quantizer.emulation.cuda_emulation import DTYPES, installed_as_cpu_op, lanes_per_group
+from unit.ops.fp_quantizer.emulation.cuda_emulation import check_against_reference as check
+from unit.oracle import fp8_values, special_input
 
 import ds_fpquant as fpq
-from unit.oracle import fp8_values, special_input
-from unit.ops.fp_quantizer.emulation.cuda_emulation import (DTYPES, check_against_reference as check, installed_as_cpu_op,
-                                                             lanes_per_group)
 
 FORMATS = list(fpq.FORMATS)
 #: Teams of 1 (G <= 8), 2, 4, 8, 16 and 32 lanes (G > 128); 1536/1537: the largest group DeepSpeed's kernel

@@ -8,12 +8,13 @@ fail, by a wrong bit, an unwritten byte, an ASan/UBSan report or a warp-synchron
 
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound
+from unit.ops.fp_quantizer.emulation import cuda_emulation
+from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, run_gemv
+from unit.ops.fp_quantizer.emulation.cuda_emulation import check_against_reference as check
+from unit.oracle import special_input
 
 import ds_fpquant as fpq
-from unit.linear_bound import assert_linear_within_bound
-from unit.oracle import special_input
-from unit.ops.fp_quantizer.emulation import cuda_emulation
-from unit.ops.fp_quantizer.emulation.cuda_emulation import EmulatedCudaOp, check_against_reference as check, run_gemv
 
 KERNELS = "fp_quantize_kernels.cuh"
 CODEC = "fp_codec.h"

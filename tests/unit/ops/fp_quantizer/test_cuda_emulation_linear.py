@@ -7,11 +7,11 @@ the compiled op, for every element format, fp32 / E8M0 / NVFP4 / 2-D block scale
 
 import pytest
 import torch
+from unit.linear_bound import assert_linear_within_bound
+from unit.ops.fp_quantizer.emulation.cuda_emulation import run_gemv
+from unit.oracle import special_input
 
 import ds_fpquant as fpq
-from unit.linear_bound import assert_linear_within_bound
-from unit.oracle import special_input
-from unit.ops.fp_quantizer.emulation.cuda_emulation import run_gemv
 
 FORMATS = list(fpq.FORMATS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

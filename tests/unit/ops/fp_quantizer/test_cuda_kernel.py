@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from unit.oracle import assert_bitwise_equal, fp8_values, special_input
 
 import ds_fpquant as fpq
-from unit.oracle import assert_bitwise_equal, fp8_values, special_input
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,10 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from unit.oracle import ORACLE_FORMATS, assert_bitwise_equal, code_values
 
 import ds_fpquant as fpq
-from ds_fpquant.reference import decode_table
-from unit.oracle import ORACLE_FORMATS, assert_bitwise_equal, code_values
+from ds_fpquant.numerics.codec import decode_table
 
 SPEC_PATH = Path(__file__).resolve().parents[4] / "docs" / "spec.md"
 

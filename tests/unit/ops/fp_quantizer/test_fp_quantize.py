@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 from deepspeed.linear import QuantizationConfig
+from unit.oracle import assert_bitwise_equal, bits_of, encode, pack_group, quantize_rows, to_numpy32
 
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
-from unit.oracle import assert_bitwise_equal, bits_of, encode, pack_group, quantize_rows, to_numpy32
 
 pytestmark = pytest.mark.usefixtures("quiet_fallback")
 

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
-from unit.oracle import assert_bitwise_equal
 
 FORMATS = list(fpq.FORMATS)
 
@@ -155,7 +155,7 @@ def test_torch_backend_ignores_flush_denormal():
 
 
 def test_raw_op_huge_group_size_is_clamped():
-    from ds_fpquant.backends import load_op
+    from ds_fpquant.ops.backends import load_op
     module, reason = load_op("cpu")
     assert module is not None, reason
     x = torch.randn(4, 10)

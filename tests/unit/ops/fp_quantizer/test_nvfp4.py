@@ -5,9 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from unit.oracle import assert_bitwise_equal, code_values, quantize_nvfp4_rows
 
 import ds_fpquant as fpq
-from unit.oracle import assert_bitwise_equal, code_values, quantize_nvfp4_rows
 
 
 def _check(x: torch.Tensor, target, grouping="row", dtypes=(torch.float32,)):

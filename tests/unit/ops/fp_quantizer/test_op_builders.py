@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ds_fpquant as fpq
-from ds_fpquant.formats import traits_table
+from ds_fpquant.numerics.formats import traits_table
 from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
 from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
@@ -109,7 +109,7 @@ def test_resolved_target_is_the_compilers_answer(monkeypatch):
 def test_cpu_arch_variable_names_a_portable_build(monkeypatch):
     """DS_FPQUANT_CPU_ARCH=x86-64-v3 builds for any AVX2 machine, into its own folder; 'native' is the default;
     a value that is no target name is a ValueError naming the variable, raised by the API before any build."""
-    from ds_fpquant import backends
+    from ds_fpquant.ops import backends
 
     monkeypatch.delenv("DS_FPQUANT_CPU_ARCH", raising=False)
     native = FPQuantizerCPUBuilder()
@@ -135,8 +135,8 @@ def test_loaded_cpu_op_runs_the_paths_its_target_has():
     """The op in use was compiled for the target the builder names (native, or DS_FPQUANT_CPU_ARCH): its AVX-512
     paths are exactly those the target's macros allow; a portable build (the second pass of .ci/run) has
     none, so the portable loops are what the tests of that pass exercise."""
-    from ds_fpquant.backends import load_op
     from ds_fpquant.op_builder import builder
+    from ds_fpquant.ops.backends import load_op
 
     module, why = load_op("cpu")
     if module is None:
@@ -257,7 +257,7 @@ def test_prebuilt_cpu_op_install(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert list((target / "ds_fpquant" / "ops").glob("ds_fpquant_cpu_op*.so"))
     assert (target / "ds_fpquant" / "csrc" / "fp_quantizer" / "includes" / "fp_codec.h").exists()
-    probe = ("import ds_fpquant, torch; from ds_fpquant.backends import load_op; m, why = load_op('cpu'); "
+    probe = ("import ds_fpquant, torch; from ds_fpquant.ops.backends import load_op; m, why = load_op('cpu'); "
              "print(m.__file__ if m else why)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(target)), timeout=300)

@@ -10,10 +10,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from unit.oracle import (
+    assert_bitwise_equal,
+    bf16_all_patterns,
+    fp16_all_patterns,
+    quantize_rows,
+    to_numpy32,
+    unpack_group,
+)
 
 import ds_fpquant as fpq
-from unit.oracle import (assert_bitwise_equal, bf16_all_patterns, fp16_all_patterns, quantize_rows, to_numpy32,
-                         unpack_group)
 
 pytestmark = pytest.mark.usefixtures("quiet_fallback")
 

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from ds_fpquant import report
+from ds_fpquant.cli import report
 
 
 def test_report_build_cli():

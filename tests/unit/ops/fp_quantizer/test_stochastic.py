@@ -7,12 +7,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from unit.oracle import SPEC_FMAX, assert_bitwise_equal, bits_of, code_values
 
 import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize
-from ds_fpquant.backends import load_op
-from ds_fpquant.reference import philox4x32_10, random_words
-from unit.oracle import SPEC_FMAX, assert_bitwise_equal, bits_of, code_values
+from ds_fpquant.numerics.philox import philox4x32_10, random_words
+from ds_fpquant.ops.backends import load_op
 
 FORMATS = list(fpq.FORMATS)
 
@@ -176,7 +176,7 @@ def test_stochastic_arguments_checked():
 def test_rounding_decision_at_crafted_words(fmt):
     """The comparison D * 2^32 > u * 2^k at its edges: u = 0, 1, 2^32 - 1 and u = D * 2^(32-k) +- 1,
     for values with k < 32, k = 32 and k > 32 (deep below the smallest subnormal)."""
-    from ds_fpquant.reference import encode_stochastic
+    from ds_fpquant.numerics.codec import encode_stochastic
     f = fpq.get_format(fmt)
     base = [f.min_normal * 1.3, f.min_subnormal * 0.7, f.min_subnormal * 2.0**-12, 2.0**-140, 3 * 2.0**-149,
             f.fmax * 0.9]

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+from unit.oracle import assert_bitwise_equal
 
 import ds_fpquant as fpq
-from ds_fpquant import backends
-from ds_fpquant.formats import get_format
-from ds_fpquant.packing import row_bytes
-from unit.oracle import assert_bitwise_equal
+from ds_fpquant.numerics.formats import get_format
+from ds_fpquant.numerics.packing import row_bytes
+from ds_fpquant.ops import backends
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[4]
@@ -331,10 +331,10 @@ def check_against_reference(op, x, fmt="e4m3", group_size=None, out_dtypes=DTYPE
 
 
 def run_gemv(op, x, qt, bias):
-    """The emulated op's linear with the arguments linear.py gives the compiled op for CUDA tensors."""
-    from ds_fpquant import linear as linear_module
+    """The emulated op's linear with the arguments ds_fpquant.linear.weight_only gives the compiled op for CUDA tensors."""
+    from ds_fpquant.linear import weight_only as linear_module
 
-    scales, kind, block_rows, tensor_scale = linear_module._scale_layout(qt)
+    scales, kind, block_rows, tensor_scale = linear_module.scale_layout(qt)
     n, k = qt.shape
     codes = qt.codes.reshape(n, -1)
     b = None if bias is None else bias.to(x.dtype).contiguous()

@@ -1,0 +1,322 @@
+"""``ds_fpquant.load_quantized``: a quantized checkpoint (either layout of :mod:`ds_fpquant.checkpoint.disk_format`) back into
+its transformers model, linears as :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` and mixture-of-experts
+parameters as quantized expert stacks, holding the codes and scales as stored: the module tree is built on
+the meta device and every tensor is assigned from the file, so no full-precision copy of a quantized weight
+is made.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
+from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
+from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
+from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
+from ds_fpquant.nn.experts import install_quantized_experts
+from ds_fpquant.nn.model_walk import linear_modules
+from ds_fpquant.tensor.quantize import quantize
+from ds_fpquant.tensor.slicing import join_rows
+
+__all__ = ["load_quantized"]
+
+#: The tensors of a stored expert stack ``<p>`` ``(E, ...)``: suffix -> the part name of one weight.
+STACK_SUFFIXES = {"_scale_inv": "weight_scale_inv", "_scale_2": "weight_scale_2", "_scale": "weight_scale", "": "weight"}
+
+
+def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str = "auto",
+                   compute_dtype: Optional[str] = None):
+    """Build a quantized transformers model from a checkpoint directory, with
+    :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` layers and quantized expert stacks: no full-precision copy of
+    the model is ever held (the module tree is built on the meta device and every tensor is assigned as it
+    is read).
+
+    - A quantized checkpoint (``fp_quantization=None``): the codes and scales as stored, in either layout of
+      :func:`~ds_fpquant.quantize_checkpoint`, including block-FP8 checkpoints written by other tools
+      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style).
+    - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
+      read once; a linear or expert weight the settings select is quantized as it is read, everything else
+      assigned as read. The result is bit-identical to :func:`ds_fpquant.apply` on the model
+      ``from_pretrained`` loads, with the same settings (same module patterns, excludes and defaults).
+
+    Args:
+        path: the checkpoint directory (``config.json``; with ``quantization_config`` unless
+            ``fp_quantization`` is given).
+        fp_quantization: the ``fp_quantization`` section (dict), a DeepSpeed config (dict or JSON path)
+            holding it, or an :class:`~ds_fpquant.config.FPQuantizationConfig`; ``None`` for a quantized
+            checkpoint. Its ``backend``, ``compute_dtype`` and ``activation`` apply to the layers.
+        model_class: the transformers class to build; default: ``config.architectures[0]``.
+        backend, compute_dtype: as for :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` (quantized
+            checkpoints; with ``fp_quantization`` the section's own apply).
+
+    Returns:
+        the model on the CPU in eval mode (move it with ``.to(device)``).
+
+    Raises:
+        ValueError, TypeError: not a model directory; no or an invalid ``quantization_config`` (quantized
+            checkpoints), or a quantized checkpoint given ``fp_quantization``, or ``exclude`` / ``modules``
+            patterns that match no linear module or expert parameter; tensors that are missing, damaged or
+            do not fit the model (the message names the module).
+    """
+    from ds_fpquant.nn.model_walk import parent_module
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+    path = model_dir(path, "path")
+    hf_config = read_config(path)
+    if fp_quantization is not None:
+        return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
+    qconfig = getattr(hf_config, "quantization_config", None)
+    own = check_qconfig(qconfig, path)
+    del hf_config.quantization_config  # build the plain model; its linears are replaced below
+    dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
+        "torch.", ""))
+    model = meta_model(hf_config, model_class)
+    linears, keys = linear_modules(model), CheckpointKeys(model)
+    files = shard_files(path)
+    headers = tensor_headers(files)
+    code_dtypes = ("F8_E4M3", "F8_E5M2") if qconfig["quant_method"] == FP8_METHOD else ("U8",)
+    quantized = {name for key in headers for suffix in SCALE_SUFFIXES
+                 if (name := keys.module(key, suffix, linears)) is not None}
+    quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in code_dtypes
+                  and (name := keys.module(key, ".weight", linears)) is not None}
+    parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
+    expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
+    fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
+    state = {}
+    placed: Dict[Tuple, str] = {}  # where each tensor went -> its key: two keys for one place are an error
+    for key, tensor in iter_tensors(files):
+        kind, where, part_name = _place(key, quantized, linears, keys)
+        slot = (kind, where, part_name) if kind else None
+        if slot is not None and placed.setdefault(slot, key) != key:
+            raise ValueError(f"{placed[slot]} and {key} are both {part_name} of {getattr(where, 'target', where)}"
+                             f"{f' expert {where.expert} part {where.part}' if kind == 'expert' else ''}")
+        if kind == "linear":
+            parts[where][part_name] = tensor
+        elif kind == "expert":
+            expert_parts.setdefault(where.target, {}).setdefault((where.expert, where.part), {})[part_name] = tensor
+        elif kind == "stack":
+            fused.setdefault(where, {})[part_name] = tensor
+        else:
+            state[key] = tensor
+    twice = sorted(set(expert_parts) & set(fused))
+    if twice:
+        raise ValueError(f"these expert parameters are stored both per expert and as a stack: {twice}")
+    biases = {keys.module(key, ".bias", linears): key for key in state}
+    transposed = set(own.get("transposed", ()))
+    for name, tensors in parts.items():
+        module = model.get_submodule(name)
+        if linears[name] and name not in transposed:
+            raise ValueError(f"{name} is a Conv1D whose quantized weight is not stored as (out, in); "
+                             f"only checkpoints listing it in quantization_config.ds_fpquant.transposed are supported")
+        shape = tuple(module.weight.shape[::-1]) if linears[name] else tuple(module.weight.shape)
+        qt = from_parts(name, tensors, shape, qconfig, dtype)
+        bias = state.pop(biases[name]) if name in biases else None
+        if (bias is None) != (module.bias is None):
+            raise ValueError(f"{name}: the model {'has' if module.bias is not None else 'has no'} bias, the "
+                             f"checkpoint {'has none' if bias is None else 'has one'}")
+        if bias is not None and tuple(bias.shape) != (shape[0],):
+            raise ValueError(f"{name}.bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
+        parent, child = parent_module(model, name)
+        setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
+    for target, by_part in expert_parts.items():
+        _load_expert_parts(model, keys, target, by_part, qconfig, dtype, state, backend, compute_dtype)
+    for target, tensors in fused.items():
+        _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
+    _assign_rest(model, state, keys)
+    enable_save_pretrained(model)
+    return model.eval()
+
+
+def _place(key: str, quantized, linears, keys: CheckpointKeys):
+    """Where checkpoint tensor ``key`` goes: ``("linear", module, part)`` for a part of a quantized
+    linear weight, ``("expert", ExpertPart, part)`` for a per-expert matrix or its scales,
+    ``("stack", parameter, part)`` for a stored expert stack, ``(None, None, None)`` for the rest
+    (``part``: ``weight``, ``weight_scale_inv``, ``weight_scale`` or ``weight_scale_2``)."""
+    for suffix in (".weight", *SCALE_SUFFIXES):
+        if not key.endswith(suffix):
+            continue
+        name = keys.module(key, suffix, linears)
+        if name in quantized:
+            return "linear", name, suffix[1:]
+        part = keys.part(key[:-len(suffix)] + ".weight")
+        if part is not None:
+            return "expert", part, suffix[1:]
+    for suffix, part_name in STACK_SUFFIXES.items():
+        target = keys.fused(key[:len(key) - len(suffix)]) if key.endswith(suffix) else None
+        if target is not None:
+            return "stack", target, part_name
+    return None, None, None
+
+
+def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfig, dtype, state, backend,
+                       compute_dtype) -> None:
+    """Install the expert parameter ``target`` from its per-expert matrices (``by_part[(e, part)]`` =
+    ``{"weight": ..., "weight_scale_inv": ...}``): quantized ones become the module's quantized experts,
+    full-precision ones (kept by the writer) are stacked into ``state`` for the plain parameter."""
+    module_name, pname = keys.params[target]
+    module = model.get_submodule(module_name)
+    n_experts, out_features, in_features = module._parameters[pname].shape
+    n_parts = 1 + max(p for _, p in by_part)
+    check_expert_slots(target, (n_experts, out_features, in_features), {slot: slot for slot in by_part}, n_parts)
+    no_weight = [f"expert {e} part {p}" for (e, p), t in sorted(by_part.items()) if "weight" not in t]
+    if no_weight:
+        raise ValueError(f"{target}: the checkpoint has scales but no weight for {no_weight}")
+    is_quantized = {p: len(t) > 1 or t["weight"].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                    for p, t in by_part.items()}
+    if not any(is_quantized.values()):
+        state[target] = torch.stack([torch.cat([by_part[(e, p)]["weight"] for p in range(n_parts)])
+                                     for e in range(n_experts)])
+        return
+    if not all(is_quantized.values()):
+        raise ValueError(f"{target}: some expert matrices are quantized and some are not; ds_fpquant loads an expert "
+                         f"parameter whole, quantized or not")
+    qts = []
+    for e in range(n_experts):
+        pieces = [from_parts(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
+                                    (by_part[(e, p)]["weight"].shape[0], in_features), qconfig, dtype)
+                  for p in range(n_parts)]
+        try:
+            qts.append(join_rows(pieces))
+        except ValueError as exc:
+            raise ValueError(f"{target}[expert {e}]: {exc}") from None
+    if tuple(qts[0].shape) != (out_features, in_features):
+        raise ValueError(f"{target}: the expert matrices join to {tuple(qts[0].shape)}; the model needs "
+                         f"({out_features}, {in_features})")
+    _install(module, pname, target, qts, backend, compute_dtype)
+
+
+def _install(module, pname: str, target: str, qts, backend, compute_dtype) -> None:
+    try:
+        install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+    except ValueError as exc:
+        raise ValueError(f"{target}: {exc}") from None
+
+
+def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconfig, dtype, state, backend,
+                        compute_dtype) -> None:
+    """Install the expert parameter ``target`` from a stored stack (``<target>`` ``(E, ...)`` plus
+    ``<target>_scale_inv`` / ``_scale`` / ``_scale_2``, transformers' fused FP8 layout)."""
+    module_name, pname = keys.params[target]
+    module = model.get_submodule(module_name)
+    shape = tuple(module._parameters[pname].shape)
+    if set(tensors) == {"weight"} and tensors["weight"].dtype in (torch.float32, torch.float16, torch.bfloat16):
+        state[target] = tensors["weight"]
+        return
+    if any(t.shape[:1] != shape[:1] for t in tensors.values()):
+        raise ValueError(f"{target}: a stored expert stack has {shape[0]} experts in its first dimension; got "
+                         f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
+    qts = [from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], qconfig, dtype)
+           for e in range(shape[0])]
+    _install(module, pname, target, qts, backend, compute_dtype)
+
+
+def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: CheckpointKeys) -> None:
+    """Assign the unquantized tensors, tie weights, and initialise what no file holds (non-persistent
+    buffers such as position ids) the way transformers' ``from_pretrained`` does: every loaded tensor
+    and every module without such a buffer is flagged ``_is_hf_initialized``, and
+    ``model.initialize_weights()`` runs the model's ``_init_weights`` on the rest."""
+    expected = set(model.state_dict())
+    renamed, sources = {}, {}
+    for key, tensor in state.items():
+        name = keys.resolve(key, expected) or key
+        if sources.setdefault(name, key) != key:
+            raise ValueError(f"{sources[name]} and {key} are both {name}")
+        renamed[name] = tensor
+    try:
+        result = model.load_state_dict(renamed, strict=False, assign=True)
+    except RuntimeError as exc:  # shapes that do not fit the model
+        raise ValueError(f"the checkpoint's tensors do not fit {type(model).__name__}: {exc}") from None
+    non_persistent = dict(model.named_buffers())  # e.g. BERT's position_ids, saved by older versions
+    unexpected = [key for key in result.unexpected_keys if key not in non_persistent]
+    if unexpected:
+        raise ValueError(f"tensors the model has no place for: {unexpected}")
+    for key in result.unexpected_keys:
+        owner, _, name = key.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = renamed[key]
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint lacks these weights of {type(model).__name__}: {missing}")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor._is_hf_initialized = True
+    for module in model.modules():  # only modules left with meta buffers get transformers' init
+        pending = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        for name in pending:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        module._is_hf_initialized = not pending
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
+
+
+def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
+    """:func:`load_quantized` of a full-precision checkpoint with ``fp_quantization`` settings."""
+    from ds_fpquant.config import load_config
+    from ds_fpquant.nn.experts import install_quantized_experts
+    from ds_fpquant.nn.model_walk import as_linear, parent_module
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+    config = load_config(fp_quantization)
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"path={str(path)!r} is already quantized (quantization_config="
+                         f"{hf_config.quantization_config}); load it without fp_quantization")
+    model = meta_model(hf_config, model_class)
+    linears, keys = linear_modules(model), CheckpointKeys(model)
+    given = [*(config.exclude if "exclude" in config.model_fields_set else ()), *config.modules]
+    check_patterns(given, [*linears, *keys.params], "fp_quantization patterns")
+    files = shard_files(path)
+    headers = tensor_headers(files)
+    keys.check_fits(headers)  # every parameter there, in its shape, before anything is read or quantized
+    selected = keys.plan(headers, linears, config.settings_for)
+    stored, plan, expert_plan, stacks = selected.weights, selected.linears, selected.experts, selected.stacks
+    biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}
+    dtype = getattr(hf_config, "dtype", None)  # what from_pretrained gives the weights (its dtype="auto")
+    dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
+    layer = dict(compute_dtype=config.compute_dtype, backend=config.backend, activation=config.activation)
+    weights, bias_of, experts, pending, state, kept_experts = {}, {}, {}, {}, {}, {}
+    for key, tensor in iter_tensors(files):
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if key in plan:
+            weights[plan[key]] = tensor
+        elif key in biases:
+            bias_of[biases[key]] = tensor
+        elif key in expert_plan:  # an expert's gate, up or down: its fused row block quantized as apply does
+            part = expert_plan[key]
+            parts = pending.setdefault((part.target, part.expert), {})
+            parts[part.part] = tensor
+            if len(parts) == part.parts:
+                del pending[(part.target, part.expert)]
+                matrix = torch.cat([parts[i] for i in range(part.parts)])
+                experts.setdefault(part.target, {})[part.expert] = quantize(
+                    matrix, **config.settings_for(part.target), backend=config.backend)
+        elif key in stacks:
+            experts[stacks[key]] = dict(enumerate(quantize(tensor[e], **config.settings_for(stacks[key]),
+                                                           backend=config.backend) for e in range(tensor.shape[0])))
+        elif (part := keys.part(key)) is not None:  # an excluded expert's matrix: stacked as transformers does
+            kept_experts.setdefault(part.target, {})[(part.expert, part.part)] = {"weight": tensor}
+        else:
+            state[key] = tensor
+        for name in [n for n in weights if n in bias_of or stored[n][:-len("weight")] + "bias" not in headers]:
+            module = model.get_submodule(name)  # weight (and bias) read: quantize it now, drop the tensor
+            linear = as_linear(_with_weights(module, weights.pop(name), bias_of.pop(name, None)))
+            parent, child = parent_module(model, name)
+            setattr(parent, child, FPQuantizedLinear.from_linear(linear, **layer, **config.settings_for(name)))
+    for target, by_expert in experts.items():
+        module_name, pname = keys.params[target]
+        install_quantized_experts(model.get_submodule(module_name), pname, [by_expert[e] for e in sorted(by_expert)],
+                                  **layer)
+    for target, by_part in kept_experts.items():  # full precision: the (E, out, in) parameter, no quantization
+        _load_expert_parts(model, keys, target, by_part, None, None, state, None, None)
+    _assign_rest(model, state, keys)
+    enable_save_pretrained(model)
+    return model.eval()
+
+
+def _with_weights(module: torch.nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+    """``module`` (an ``nn.Linear`` or ``Conv1D`` on the meta device) holding ``weight`` and ``bias`` as read."""
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return module

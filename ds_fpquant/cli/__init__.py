@@ -1,0 +1,1 @@
+"""Layer 9, cli: the ``ds-fpquant`` command (``demo``, ``bench``, ``report``, ``quantize``)."""

@@ -1,0 +1,1 @@
+"""``ds-fpquant bench``: the ops' throughput (:mod:`.ops`) and the quantized linear (:mod:`.linear`, ``--linear``)."""

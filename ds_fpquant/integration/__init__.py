@@ -1,0 +1,2 @@
+"""Layer 8, integration: DeepSpeed (``apply``, ``init_inference`` with AutoTP, ``patch_deepspeed``, the
+``FP_Quantize`` drop-in)."""

@@ -1,0 +1,93 @@
+"""Mixture-of-experts weights quantized in place: transformers 5 keeps each expert projection of a MoE
+layer as one 3-D parameter ``(num_experts, out_features, in_features)`` (``MixtralExperts.gate_up_proj``
+and ``.down_proj``, likewise Qwen2-MoE and DeepSeek-V3), not as ``nn.Linear`` modules.
+
+Each expert's matrix is quantized on its own (its own groups or 2-D blocks, never spanning two experts)
+and stored in buffers ``<name>_codes`` ``(E, out, row_bytes)``, ``<name>_scales`` (the scales' bytes, one
+row per expert) and, for NVFP4, ``<name>_tensor_scale`` ``(E, 4)``. Around each forward the attribute
+``<name>`` is a :class:`QuantizedExperts`: indexing it with an expert number (what the experts' forward
+does, ``F.linear(x, self.gate_up_proj[e])``) gives that expert's
+:class:`~ds_fpquant.linear.weights.QuantizedWeight`, so the matmul runs the fused quantized linear and routing is
+unchanged; any other use of the tensor sees the dequantized ``(E, out, in)`` weight. A quantized experts
+module runs transformers' eager per-expert forward (its ``grouped_mm`` default would multiply the whole
+dequantized stack).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from ds_fpquant.linear.w8a8 import check_activation
+from ds_fpquant.nn.quantized_params import install
+from ds_fpquant.tensor.quantize import quantize
+from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
+
+__all__ = ["install_quantized_experts", "quantize_experts_in_place", "EagerExpertsForward"]
+
+
+def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4m3", group_size: Optional[int] = None,
+                              *, compute_dtype: Optional[str] = None, backend: str = "auto",
+                              activation: Optional[str] = None, **quantize_kwargs) -> Tuple[int, int]:
+    """Quantize the 3-D expert parameter ``module.<name>`` ``(E, out, in)``, each expert on its own.
+
+    Returns ``(bytes before, bytes after)``. Raises ``ValueError`` when ``name`` is not a 3-D parameter of
+    ``module`` or for invalid quantization settings (before anything is changed).
+    """
+    weight = module._parameters.get(name)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"{type(module).__name__}.{name} must be a 3-D (experts, out, in) parameter to be "
+                         f"quantized as experts")
+    check_activation(activation)
+    experts = [quantize(weight[e].detach(), fmt, group_size, backend=backend, **quantize_kwargs)
+               for e in range(weight.shape[0])]
+    before = weight.numel() * weight.element_size()
+    install_quantized_experts(module, name, experts, compute_dtype=compute_dtype, backend=backend,
+                              activation=activation)
+    return before, sum(qt.nbytes for qt in experts)
+
+
+def _layout(qt: QuantizedTensor) -> tuple:
+    """What must agree between the experts of one stack."""
+    return (qt.shape, tuple(qt.scales.shape), qt.scales.dtype, qt.codes.shape, qt.codes.dtype, qt.fmt, qt.group_size,
+            qt.block, qt.scale_format, qt.tensor_scale is None)
+
+
+def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[QuantizedTensor], *,
+                              compute_dtype: Optional[str] = None, backend: str = "auto",
+                              activation: Optional[str] = None) -> None:
+    """Make ``module.<name>`` (a 3-D expert parameter, or its place on the meta device) the quantized
+    experts ``experts`` (one :class:`QuantizedTensor` per expert, all of one shape and layout): the
+    buffers described in the module docstring, and the hooks that present them to the forward.
+    Used by :func:`quantize_experts_in_place` and by :func:`ds_fpquant.load_quantized`, which passes the
+    codes and scales read from a checkpoint (no full-precision expert tensor is made).
+
+    Raises ``ValueError`` for experts of different shapes or layouts, or W8A8 (``activation``) settings
+    the weights do not allow, before ``module`` is changed.
+    """
+    check_activation(activation, experts[0])
+    first = experts[0]
+    odd = [e for e, qt in enumerate(experts) if _layout(qt) != _layout(first)]
+    if odd:
+        raise ValueError(f"{type(module).__name__}.{name}: every expert must have the shape and layout of expert 0 "
+                         f"({_layout(first)}); experts {odd} differ")
+    install(module, name, experts, stacked=True, compute_dtype=compute_dtype, backend=backend, activation=activation)
+    # transformers' grouped_mm / batched_mm experts implementations multiply the whole 3-D weight; the
+    # eager forward (the one decorated by use_experts_implementation) loops over the routed experts and
+    # calls F.linear(x, weight[e]): per instance, that loop runs, each expert through the quantized linear
+    if getattr(type(module).forward, "__wrapped__", None) is not None and "forward" not in module.__dict__:
+        module.forward = EagerExpertsForward(module)
+
+
+class EagerExpertsForward:
+    """``module.forward`` of a quantized experts module: the class's eager per-expert forward (the function that
+    transformers' ``use_experts_implementation`` wraps), bound to ``module``. A plain object rather than a bound
+    method, so that the module pickles (a bound method pickles by its name, ``forward``, and would come back as
+    the class's dispatching forward) and deep-copies."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward.__wrapped__(self.module, *args, **kwargs)

@@ -1,0 +1,124 @@
+"""A quantized weight held in a module's buffers, for every layer that holds one: ``FPQuantizedLinear``, a layer
+quantized in place (``weight``) and a stack of experts (a 3-D parameter ``(E, out, in)``, each expert on its own).
+
+A parameter ``<name>`` is stored as ``uint8`` buffers, so that ``model.half()`` / ``.to(dtype)`` cannot round them:
+``<name>_codes`` (the packed codes, SPEC 6), ``<name>_scales`` (the scales' bytes: fp32 scales as their
+little-endian bytes, SPEC 6.1; E8M0 bytes and NVFP4 e4m3 codes as they are) and, for NVFP4, ``<name>_tensor_scale``
+(the fp32 tensor scale's 4 bytes). A stack has one more leading dimension, one row per expert.
+
+In-place quantized parameters (:func:`install`) are presented to the module's own forward by a forward pre-hook:
+``module.<name>`` is then a :class:`~ds_fpquant.linear.weights.QuantizedWeight` (a stack: a
+:class:`~ds_fpquant.linear.weights.QuantizedExperts`), whose ``F.linear`` / ``matmul`` run the fused quantized
+linear, and ``None`` again after the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ds_fpquant.linear.w8a8 import check_activation
+from ds_fpquant.linear.weights import QuantizedExperts, QuantizedWeight
+from ds_fpquant.numerics.choices import COMPUTE_DTYPE_NAMES
+from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
+
+__all__ = ["COMPUTE_DTYPES", "register_buffers", "buffer_views", "layout", "install", "quantized_params",
+           "is_weight_quantized", "quantized_experts"]
+
+#: ``compute_dtype`` name -> dtype (the names: :data:`ds_fpquant.numerics.choices.COMPUTE_DTYPE_NAMES`).
+COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
+
+#: The attribute of a module that lists its in-place quantized parameters: ``{name: meta}``.
+_PARAMS = "_fpq_params"
+
+
+def layout(qt: QuantizedTensor) -> Dict:
+    """The fields of ``qt`` besides its tensors: what :func:`buffer_views` needs to rebuild it."""
+    return dict(shape=qt.shape, scales_shape=tuple(qt.scales.shape), dtype=qt.dtype, fmt=qt.fmt,
+                group_size=qt.group_size, scale_format=qt.scale_format, block=qt.block)
+
+
+def register_buffers(module: torch.nn.Module, name: str, qts: Sequence[QuantizedTensor], stacked: bool) -> None:
+    """``<name>_codes``, ``<name>_scales`` and (NVFP4) ``<name>_tensor_scale`` of ``qts``: one tensor (the codes
+    themselves, no copy) or, ``stacked``, the tensors of all ``qts`` stacked along a new first dimension."""
+    def store(tensors):
+        return torch.stack(tensors) if stacked else tensors[0]
+
+    module.register_buffer(f"{name}_codes", store([qt.codes for qt in qts]))
+    module.register_buffer(f"{name}_scales", store([qt.scales.contiguous().view(torch.uint8) for qt in qts]))
+    if qts[0].tensor_scale is not None:
+        module.register_buffer(f"{name}_tensor_scale", store([qt.tensor_scale.reshape(1).view(torch.uint8)
+                                                              for qt in qts]))
+
+
+def buffer_views(module: torch.nn.Module, name: str, meta: Dict, stacked: bool) -> List[QuantizedTensor]:
+    """The :class:`QuantizedTensor` of each weight in the buffers of ``<name>`` (views, no copies): one, or one per
+    expert of a stack. ``meta`` holds the :func:`layout` fields."""
+    codes = getattr(module, f"{name}_codes")
+    scales = getattr(module, f"{name}_scales")
+    tensor_scale = getattr(module, f"{name}_tensor_scale", None)
+    if stacked:  # one (codes, scales, tensor scale) per expert
+        weights = [(codes[e], scales[e], None if tensor_scale is None else tensor_scale[e]) for e in range(len(codes))]
+    else:
+        weights = [(codes, scales, tensor_scale)]
+    views = []
+    for c, s, t in weights:
+        s = s.view(torch.float32) if meta["scale_format"] == "fp32" else s
+        t = None if t is None else t.view(torch.float32).reshape(())
+        views.append(QuantizedTensor(codes=c, scales=s.reshape(meta["scales_shape"]), shape=meta["shape"],
+                                     dtype=meta["dtype"], fmt=meta["fmt"], group_size=meta["group_size"],
+                                     scale_format=meta["scale_format"], block=meta["block"], tensor_scale=t))
+    return views
+
+
+def install(module: torch.nn.Module, name: str, qts: Sequence[QuantizedTensor], *, stacked: bool,
+            compute_dtype: Optional[str], backend: str, activation: Optional[str]) -> None:
+    """Replace the parameter ``module.<name>`` (if any) by the buffers of ``qts`` (one weight, or ``stacked``: one per
+    expert, all of one layout) and present them to the module's forward (the hooks of the module docstring). The
+    caller has checked that the ``qts`` agree; ``activation`` is checked here (W8A8 needs fitting weights)."""
+    check_activation(activation, qts[0])
+    module._parameters.pop(name, None)
+    register_buffers(module, name, qts, stacked)
+    setattr(module, name, None)
+    params = module.__dict__.setdefault(_PARAMS, {})
+    params[name] = dict(layout(qts[0]), stacked=stacked, backend=backend, activation=activation,
+                        compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
+    if len(params) == 1:  # one pair of hooks per module, for all its quantized parameters
+        module.register_forward_pre_hook(_materialize)
+        module.register_forward_hook(_release)
+
+
+def quantized_params(module: torch.nn.Module) -> Dict[str, Dict]:
+    """``{name: meta}`` of the parameters :func:`install` quantized in ``module`` (empty if none)."""
+    return getattr(module, _PARAMS, {})
+
+
+def is_weight_quantized(module: torch.nn.Module) -> bool:
+    """Whether ``module.weight`` is a quantized weight installed in place (``quantize_weight_in_place``)."""
+    meta = quantized_params(module).get("weight")
+    return meta is not None and not meta["stacked"]
+
+
+def quantized_experts(module: torch.nn.Module) -> Dict[str, List[QuantizedTensor]]:
+    """``{parameter name: each expert's QuantizedTensor}`` of the quantized expert stacks of ``module`` (views of its
+    buffers; empty if none)."""
+    return {name: buffer_views(module, name, meta, True) for name, meta in quantized_params(module).items()
+            if meta["stacked"]}
+
+
+# The hooks of install: module-level functions (not closures), so that a module holding them pickles (torch.save
+# of a whole model) and deep-copies.
+def _materialize(module, args):
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    for name, meta in quantized_params(module).items():
+        dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
+        views = buffer_views(module, name, meta, meta["stacked"])
+        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"]) if meta["stacked"] else
+                  QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"]))
+        setattr(module, name, weight)
+
+
+def _release(module, args, output):
+    for name in quantized_params(module):
+        setattr(module, name, None)

@@ -1,0 +1,78 @@
+"""The torch reference as a backend: the row pipeline of SPEC 2-6 in plain torch, with the interface of the
+compiled ops (``quantize``, ``dequantize``, ``linear``; :func:`ds_fpquant.ops.backends.resolve` returns this module
+or a compiled one), so the public functions call every backend the same way. It is also the readable
+reference the compiled kernels are checked against bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ds_fpquant.numerics.codec import decode, encode, encode_stochastic, ieee_denormals
+from ds_fpquant.numerics.formats import get_format
+from ds_fpquant.numerics.packing import ceil_div, pack_rows, unpack_rows
+from ds_fpquant.numerics.philox import random_words
+from ds_fpquant.numerics.scales import fp32_groups, fp32_scales, group_amax, group_scales
+
+__all__ = ["quantize", "dequantize", "linear", "WITH_CUDA", "BF16_QUIET_NAN"]
+
+#: Like the CPU-only compiled op: no CUDA kernels (CUDA tensors are computed with torch's CUDA ops).
+WITH_CUDA = False
+
+
+#: The bf16 NaN every backend writes (the quiet NaN the C++ codec and c10::BFloat16 produce).
+BF16_QUIET_NAN = 0x7FC0
+
+
+def quantize(x2: torch.Tensor, fmt: str, group_size: int, given_scales: Optional[torch.Tensor], stochastic: bool,
+             seed: int, offset: int, e8m0: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp ``(R, K)`` -> (uint8 packed codes ``(R, row_bytes)``, scales ``(R, ceil(K/G))``).
+
+    ``stochastic``: SPEC 4 stochastic rounding with the Philox stream ``(seed, offset)``, else
+    round-to-nearest-even. ``e8m0`` is the E8M0 ``scale_rounding`` (``"ceil"``/``"floor"``, SPEC 3.2;
+    scales are then uint8 bytes), ``""`` for fp32 scales (SPEC 3.1); ``given_scales``: a caller's fp32 ones.
+    """
+    f = get_format(fmt)
+    rows, k = x2.shape
+    n_groups = ceil_div(k, group_size)
+    pad = n_groups * group_size - k
+    groups = fp32_groups(x2, group_size)
+    stored, used = group_scales(*group_amax(groups), f, e8m0 or None, given_scales)
+    r = torch.ones((), dtype=torch.float32, device=used.device) / used  # fl(1/s); exact 2^-e for E8M0
+    if not stochastic:
+        codes = encode(groups, r.unsqueeze(-1), f)
+    else:  # random word of each element by its flat index (row * K + column), SPEC 4
+        words = random_words(rows * k, seed, offset, device=x2.device).view(rows, k)
+        if pad:
+            words = torch.nn.functional.pad(words, (0, pad))
+        codes = encode_stochastic(groups, r.unsqueeze(-1), words.view(rows, n_groups, group_size), f)
+    codes = codes.view(rows, n_groups * group_size)[:, :k]
+    return pack_rows(codes, group_size, f.bits), stored
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, fmt: str, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``(R, row_bytes)`` + fp32 scales ``(R, ceil(K/G))`` -> ``dtype`` ``(R, K)`` (SPEC 5)."""
+    f = get_format(fmt)
+    values = decode(unpack_rows(packed, k, group_size, f.bits), f)
+    per_element = scales.repeat_interleave(group_size, dim=1)[:, :k]
+    y = (values * per_element).to(dtype)  # one fp32 multiply, then RNE to dtype
+    if dtype == torch.bfloat16:  # one NaN pattern on every backend (torch's cast may give 0xFFFF)
+        y.view(torch.int16).masked_fill_(torch.isnan(y), BF16_QUIET_NAN)
+    return y
+
+
+def linear(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: str, block_rows: int, tensor_scale: float,
+           bias: Optional[torch.Tensor], fmt: str, group_size: int, small_m: int, panel_bytes: int) -> torch.Tensor:
+    """``x2 @ dequantize(W, x2.dtype)^T + bias`` for the compiled op's ``linear`` arguments: the weight's packed
+    ``codes`` ``(N, row_bytes)`` and stored ``scales`` (``kind`` ``"fp32"`` / ``"e8m0"`` / ``"e4m3"`` NVFP4 codes
+    times ``tensor_scale``), one scale row per ``block_rows`` rows. ``small_m`` and ``panel_bytes`` (the
+    compiled kernels' tuning) do not apply."""
+    n, k = codes.shape[0], x2.shape[1]
+    with torch.no_grad(), ieee_denormals():
+        s = fp32_scales(scales, kind, torch.tensor(tensor_scale, dtype=torch.float32, device=scales.device))
+        s = s.repeat_interleave(block_rows, dim=0)[:n].reshape(n, ceil_div(k, group_size))
+        weight = dequantize(codes, s.contiguous(), k, fmt, min(group_size, max(k, 1)), x2.dtype)
+    return torch.nn.functional.linear(x2, weight, bias)
