@@ -112,18 +112,19 @@ decltype(auto) dispatch_dtype(DType dtype, Fn&& fn)
                                 "; supported dtypes: float32, float16, bfloat16");
 }
 
-// CPU kernels (fp_quantize_cpu.cpp), OpenMP over groups.
+// CPU quantize (fp_quantize_cpu.cpp), OpenMP over groups; CPU dequantize (fp_dequantize_cpu.cpp).
 void quantize_cpu(Format fmt, const QuantizeArgs& args);
 void dequantize_cpu(Format fmt, const DequantizeArgs& args);
+// The rows n0 .. n1-1 of W decoded into `out` ((n1 - n0, k) of weight_dtype; fp_dequantize_cpu.cpp).
+void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
-// Fused dequantize-matmul (fp_linear_cpu.cpp): y (fp32) for small m; and the rows n0 .. n1-1 of
-// W decoded into `out` ((n1 - n0, k) of weight_dtype), the panels of the large-m path.
+// Fused dequantize-matmul (fp_linear_cpu.cpp; its bf16 register path fp_linear_bf16_cpu.cpp): y (fp32)
+// for small m.
 void linear_cpu(Format fmt, const LinearArgs& args);
 bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
-// The AVX-512 paths compiled into fp_linear_cpu.cpp: fast_decode (AVX-512 F/BW/VL), bf16_dot (+ BF16),
-// direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
+// The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
+// bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();
-void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
 // y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_quantize_kernels.cuh): each
 // weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
