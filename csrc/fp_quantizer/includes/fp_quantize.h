@@ -126,7 +126,7 @@ bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (v
 // bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();
 
-// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_quantize_kernels.cuh): each
+// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh): each
 // weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
 // dtype. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k, group_size,
 // row_bytes), m <= kGemvMaxRows and weight_dtype = x's dtype; its x and y are not used.
