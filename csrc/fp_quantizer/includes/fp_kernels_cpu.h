@@ -32,7 +32,7 @@ namespace fpq {
 namespace cpu_kernels {
 
 constexpr int64_t kLanes = 16;           // fp32 lanes of one AVX-512 vector; chunks are multiples of it
-constexpr int64_t kPad = 32;             // x rows and decoded chunks are zero-padded to a multiple of this
+constexpr int64_t kPad = kLinearPad;     // x rows and decoded chunks are zero-padded to a multiple of this
 
 #if defined(FPQ_BF16_DOT)
 constexpr bool kStagesBf16 = true;
