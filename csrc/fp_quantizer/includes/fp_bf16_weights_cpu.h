@@ -12,6 +12,7 @@
 #if defined(FPQ_DIRECT_BF16)
 namespace fpq {
 namespace cpu_kernels {
+namespace {  // internal linkage, see fp_kernels_cpu.h
 
 // 16 bf16 words round_to<Bf16>(v) (exact RNE with subnormals, the codec's NaN).
 inline __m256i bf16_words(__m512 v)
@@ -192,6 +193,7 @@ struct DirectWeights {
     }
 };
 
+}  // namespace
 }  // namespace cpu_kernels
 }  // namespace fpq
 #endif  // FPQ_DIRECT_BF16

@@ -14,6 +14,7 @@
 
 namespace fpq {
 namespace cpu_kernels {
+namespace {  // internal linkage, see fp_kernels_cpu.h
 
 // Codes j0 .. j1-1 of one group of `glen` codes starting at `group` (SPEC 6 bit stream) into out[0..).
 template <class F>
@@ -300,5 +301,6 @@ template <class F>
 struct Decoder {};
 #endif
 
+}  // namespace
 }  // namespace cpu_kernels
 }  // namespace fpq
