@@ -16,6 +16,7 @@ import shutil
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, installed_cuda_version
 
 from .builder import ProjectOpMixin, csrc_path, cxx_std_flag, without_fast_math
+from .fp_quantizer_cpu import CPU_SOURCES
 
 #: Oldest compute capability with the hardware fp8 conversions this op is built for.
 MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -32,8 +33,7 @@ class FPQuantizerBuilder(ProjectOpMixin, CUDAOpBuilder):
     def sources(self):
         return [
             csrc_path("fp_quantizer", "fp_quantize_cuda.cu"),
-            csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"),
-            csrc_path("fp_quantizer", "fp_linear_cpu.cpp"),
+            *CPU_SOURCES,
             csrc_path("fp_quantizer", "fp_quantize_binding.cpp"),
         ]
 

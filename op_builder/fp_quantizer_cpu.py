@@ -1,8 +1,9 @@
 """``FPQuantizerCPUBuilder``: the compiled CPU op (C++ with OpenMP, no CUDA toolkit needed).
 
-It is compiled for this machine's CPU (DeepSpeed's ``-march=native``): the AVX-512 paths of
-``fp_linear_cpu.cpp`` where the CPU has them, portable loops otherwise. ``DS_FPQUANT_CPU_ARCH`` names
-another target (``x86-64-v3``: any AVX2 machine; ``x86-64-v2``), for a build shared by different CPUs.
+It is compiled for this machine's CPU (DeepSpeed's ``-march=native``): the AVX-512 paths of the CPU
+kernels (``includes/fp_kernels_cpu.h``) where the CPU has them, portable loops otherwise.
+``DS_FPQUANT_CPU_ARCH`` names another target (``x86-64-v3``: any AVX2 machine; ``x86-64-v2``), for a build
+shared by different CPUs.
 Either way the build folder is named after what the compiler makes of the target on this machine
 (``builder.resolved_target``), so each CPU gets its own build.
 """
@@ -13,6 +14,11 @@ from deepspeed.ops.op_builder.builder import OpBuilder
 
 from .builder import ProjectOpMixin, cpu_arch_flag, csrc_path, cxx_std_flag
 
+#: The CPU kernels (csrc/README.md), compiled into both ops: quantize, dequantize, the linear's dispatch and
+#: buffered path, its bf16 register path.
+CPU_SOURCES = tuple(csrc_path("fp_quantizer", name) for name in (
+    "fp_quantize_cpu.cpp", "fp_dequantize_cpu.cpp", "fp_linear_cpu.cpp", "fp_linear_bf16_cpu.cpp"))
+
 
 class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
     """Builds ``csrc/fp_quantizer`` (shared codec header + CPU kernels + torch binding) as C++."""
@@ -21,8 +27,7 @@ class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):
     NAME = "ds_fpquant_cpu"
 
     def sources(self):
-        return [csrc_path("fp_quantizer", "fp_quantize_cpu.cpp"), csrc_path("fp_quantizer", "fp_linear_cpu.cpp"),
-                csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]
+        return [*CPU_SOURCES, csrc_path("fp_quantizer", "fp_quantize_binding.cpp")]
 
     def include_paths(self):
         return [csrc_path("fp_quantizer", "includes")]

@@ -251,8 +251,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     }
 #endif
     TORCH_CHECK_VALUE(x.is_cpu(), "linear: tensors on ", x.device(), " are not supported by this build");
-    if (m <= small_m) {
-        const int64_t k_padded = fpq::ceil_div(k, 32) * 32;
+    if (m <= small_m) {  // the fused kernel on x zero-padded to its row layout
+        const int64_t k_padded = fpq::ceil_div(k, fpq::kLinearPad) * fpq::kLinearPad;
         const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
         auto xs = at::zeros({m, k_padded}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
         xs.narrow(1, 0, k).copy_(x);
@@ -266,18 +266,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     // one panel of rows of W at a time: y[:, n0:n1] = linear(x, W[n0:n1], bias[n0:n1]). (Not W @ x^T: in
     // torch 2.13 that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)
     auto y = at::empty({m, n}, x.options());
-    const int64_t rows = std::max<int64_t>(1, std::min(n, panel_bytes / std::max<int64_t>(1, k * x.element_size())));
-    auto panel = at::empty({rows, k}, x.options());
+    auto panel = at::empty({fpq::linear_cpu_panel_rows(args, panel_bytes), k}, x.options());
     const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type()))
                                                          : c10::nullopt;
-    for (int64_t n0 = 0; n0 < n; n0 += rows) {
-        const int64_t n1 = std::min(n, n0 + rows);
-        auto w = panel.narrow(0, 0, n1 - n0);
-        fpq::decode_rows_cpu(fmt, args, n0, n1, w.data_ptr());
+    fpq::linear_cpu_panels(fmt, args, panel.size(0), panel.data_ptr(), [&](int64_t n0, int64_t n1) {
         const c10::optional<at::Tensor> bp = b.has_value() ? c10::optional<at::Tensor>(b->narrow(0, n0, n1 - n0))
                                                            : c10::nullopt;
-        y.narrow(1, n0, n1 - n0).copy_(at::linear(x, w, bp));
-    }
+        y.narrow(1, n0, n1 - n0).copy_(at::linear(x, panel.narrow(0, 0, n1 - n0), bp));
+    });
     return y;
 }
 

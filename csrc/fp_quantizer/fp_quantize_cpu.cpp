@@ -1,6 +1,6 @@
-// CPU kernels of ds_fpquant: the shared codec (fp_codec.h) in OpenMP loops over groups.
-// Inner loops are branch-free so the compiler vectorizes them (check with -fopt-info-vec).
-// No torch includes.
+// The CPU quantize of ds_fpquant: the shared codec (fp_codec.h) in OpenMP loops over groups (RNE or
+// stochastic codes, fp32 or E8M0 scales). Inner loops are branch-free so the compiler vectorizes them
+// (check with -fopt-info-vec). The CPU dequantize is fp_dequantize_cpu.cpp. No torch includes.
 
 #include <algorithm>
 #include <vector>
@@ -154,23 +154,6 @@ void quantize_cpu(Format fmt, const QuantizeArgs& args)
             }
         });
     });
-}
-
-// Dequantize is the fused linear's decoder (fp_linear_cpu.cpp) writing whole rows: the same
-// fl(decode(q) * s) rounded to the output dtype (SPEC 5), with its AVX-512 paths.
-void dequantize_cpu(Format fmt, const DequantizeArgs& args)
-{
-    LinearArgs rows;
-    rows.codes = args.codes;
-    rows.scales = args.scales;
-    rows.scale_kind = LinearScale::kFp32;
-    rows.scale_cols = ceil_div(args.k, args.group_size);
-    rows.weight_dtype = args.dtype;
-    rows.n = args.rows;
-    rows.k = args.k;
-    rows.group_size = args.group_size;
-    rows.row_bytes = row_bytes(args.k, args.group_size, dispatch_format(fmt, [](auto f) { return decltype(f)::kBits; }));
-    decode_rows_cpu(fmt, rows, 0, args.rows, args.out);
 }
 
 }  // namespace fpq

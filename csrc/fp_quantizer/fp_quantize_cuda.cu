@@ -1,6 +1,7 @@
 // CUDA launchers of ds_fpquant (no torch includes): the kernels and their launch geometry are in
-// fp_quantize_kernels.cuh, shared with the CPU emulation that runs them in the tests; this file
-// adds only the <<<>>> launch on the caller's stream and the launch error check.
+// fp_quantize_kernels.cuh (quantize, dequantize) and fp_gemv_kernels.cuh (the fused GEMV), shared with
+// the CPU emulation that runs them in the tests; this file adds only the <<<>>> launch on the caller's
+// stream and the launch error check.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -10,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fp_gemv_kernels.cuh"
 #include "fp_quantize_kernels.cuh"
 
 namespace fpq {

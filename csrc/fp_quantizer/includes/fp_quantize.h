@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,12 +45,15 @@ struct DequantizeArgs {
 // e4m3 codes times LinearArgs::tensor_scale (3.4).
 enum class LinearScale : int { kFp32 = 0, kE8m0 = 1, kE4m3 = 2 };
 
+// Rows of x for linear_cpu are zero-padded to a multiple of this many columns.
+constexpr int64_t kLinearPad = 32;
+
 // y = x @ dequant(W)^T for W (n, k) in the row layout (groups of group_size along k). The scale of
 // group g of row r is scales[(r / block_rows) * scale_cols + g]: block_rows = 1 for row groups, Br
 // for 2-D blocks (Bc = group_size). Decoded weights are rounded to weight_dtype (SPEC 5).
 struct LinearArgs {
-    const void* x = nullptr;         // (m, k) rows zero-padded to a multiple of 32 columns: bf16 when x is
-                                     // bf16 and linear_cpu_stages_bf16(), else fp32
+    const void* x = nullptr;         // (m, k) rows zero-padded to a multiple of kLinearPad columns: bf16
+                                     // when x is bf16 and linear_cpu_stages_bf16(), else fp32
     const uint8_t* codes = nullptr;  // (n, row_bytes)
     const void* scales = nullptr;    // see LinearScale
     LinearScale scale_kind = LinearScale::kFp32;
@@ -112,20 +116,27 @@ decltype(auto) dispatch_dtype(DType dtype, Fn&& fn)
                                 "; supported dtypes: float32, float16, bfloat16");
 }
 
-// CPU kernels (fp_quantize_cpu.cpp), OpenMP over groups.
+// CPU quantize (fp_quantize_cpu.cpp), OpenMP over groups; CPU dequantize (fp_dequantize_cpu.cpp).
 void quantize_cpu(Format fmt, const QuantizeArgs& args);
 void dequantize_cpu(Format fmt, const DequantizeArgs& args);
-
-// Fused dequantize-matmul (fp_linear_cpu.cpp): y (fp32) for small m; and the rows n0 .. n1-1 of
-// W decoded into `out` ((n1 - n0, k) of weight_dtype), the panels of the large-m path.
-void linear_cpu(Format fmt, const LinearArgs& args);
-bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
-// The AVX-512 paths compiled into fp_linear_cpu.cpp: fast_decode (AVX-512 F/BW/VL), bf16_dot (+ BF16),
-// direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
-std::vector<std::string> linear_cpu_paths();
+// The rows n0 .. n1-1 of W decoded into `out` ((n1 - n0, k) of weight_dtype; fp_dequantize_cpu.cpp).
 void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
-// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_quantize_kernels.cuh): each
+// Fused dequantize-matmul (fp_linear_cpu.cpp; its bf16 register path fp_linear_bf16_cpu.cpp): y (fp32)
+// for small m.
+void linear_cpu(Format fmt, const LinearArgs& args);
+bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
+// The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
+// bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
+std::vector<std::string> linear_cpu_paths();
+// The large-m path (fp_linear_cpu.cpp): W's rows `panel_rows` at a time (linear_cpu_panel_rows: about
+// panel_bytes of decoded rows, at least one), each panel decoded into `panel` ((panel_rows, k) of
+// weight_dtype) and then handed to multiply(n0, n1), which multiplies x by its rows n0 .. n1-1.
+int64_t linear_cpu_panel_rows(const LinearArgs& args, int64_t panel_bytes);
+void linear_cpu_panels(Format fmt, const LinearArgs& args, int64_t panel_rows, void* panel,
+                       const std::function<void(int64_t n0, int64_t n1)>& multiply);
+
+// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh): each
 // weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
 // dtype. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k, group_size,
 // row_bytes), m <= kGemvMaxRows and weight_dtype = x's dtype; its x and y are not used.

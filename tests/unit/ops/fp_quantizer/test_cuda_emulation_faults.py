@@ -17,6 +17,7 @@ from unit.oracle import special_input
 import ds_fpquant as fpq
 
 KERNELS = "fp_quantize_kernels.cuh"
+GEMV = "fp_gemv_kernels.cuh"
 CODEC = "fp_codec.h"
 
 #: name -> (header, its text, the broken replacement); the first occurrence is replaced.
@@ -52,12 +53,12 @@ MUTANTS = {
     "stochastic rounding reads the wrong Philox word": (
         KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
     "GEMV chunk one element too long (reads x past the row)": (
-        KERNELS, "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk);",
+        GEMV, "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk);",
         "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk + 1);"),
     "GEMV warp sum one shuffle step short": (
-        KERNELS, "for (int offset = 16; offset > 0; offset >>= 1) {", "for (int offset = 16; offset > 1; offset >>= 1) {"),
+        GEMV, "for (int offset = 16; offset > 0; offset >>= 1) {", "for (int offset = 16; offset > 1; offset >>= 1) {"),
     "GEMV reads the scale of the wrong group": (
-        KERNELS, "const float s = linear_scale_at(a.w, row, g);", "const float s = linear_scale_at(a.w, row, f % n_groups);"),
+        GEMV, "const float s = linear_scale_at(a.w, row, g);", "const float s = linear_scale_at(a.w, row, f % n_groups);"),
     "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
         CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }

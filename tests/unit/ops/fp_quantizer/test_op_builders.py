@@ -225,23 +225,26 @@ def test_cuda_op_jit_builds_through_builder(tmp_path):
     assert '"ok": true' in run.stdout
 
 
-@pytest.mark.parametrize("name,count", [("fp_quantize_cpu.cpp", 3), ("fp_linear_cpu.cpp", 1)])
-def test_cpu_inner_loops_vectorize(tmp_path, name, count):
-    """The portable hot loops marked '// vectorized: ...' vectorize with the builder's flags."""
+@pytest.mark.parametrize("name,marked_in,count", [("fp_quantize_cpu.cpp", "fp_quantize_cpu.cpp", 3),
+                                                   ("fp_dequantize_cpu.cpp", "includes/fp_row_decode_cpu.h", 1)])
+def test_cpu_inner_loops_vectorize(tmp_path, name, marked_in, count):
+    """The portable hot loops marked '// vectorized: ...' (in `marked_in`) vectorize with the builder's flags
+    in the source `name` that compiles them."""
     import shutil
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         pytest.skip("no C++ compiler")
     source = CSRC / "fp_quantizer" / name
     marked = {number: line.split("// vectorized:")[1].strip()  # gcc reports the line of the `for`
-              for number, line in enumerate(source.read_text().splitlines(), start=1) if "// vectorized:" in line}
+              for number, line in enumerate((CSRC / "fp_quantizer" / marked_in).read_text().splitlines(), start=1)
+              if "// vectorized:" in line}
     assert len(marked) == count
     args = [a for a in FPQuantizerCPUBuilder().cxx_args() if a]
     run = subprocess.run([cxx, *args, "-I", str(CSRC / "fp_quantizer" / "includes"), "-c", str(source), "-o",
                           str(tmp_path / "cpu.o"), "-fopt-info-vec-optimized"], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    pattern = re.escape(name) + r":(\d+):\d+: optimized: loop vectorized"
+    pattern = re.escape(Path(marked_in).name) + r":(\d+):\d+: optimized: loop vectorized"
     vectorized = {int(m) for m in re.findall(pattern, run.stderr)}
     missing = {name for line, name in marked.items() if line not in vectorized}
     assert not missing, f"not vectorized: {missing}"

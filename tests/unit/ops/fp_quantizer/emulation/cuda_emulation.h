@@ -1,6 +1,6 @@
 // A CPU emulation of the CUDA launch model, enough to execute this project's kernels as plain C++
-// (g++, no CUDA runtime): include this first, then the kernels header (csrc/fp_quantizer/includes/
-// fp_quantize_kernels.cuh), and run a launch with fpq_emu::launch(grid, block, body).
+// (g++, no CUDA runtime): include this first, then the kernel headers (csrc/fp_quantizer/includes/
+// fp_quantize_kernels.cuh, fp_gemv_kernels.cuh), and run a launch with fpq_emu::launch(grid, block, body).
 //
 // - Every CUDA thread is a fiber with its own stack (a 20-instruction context switch on x86-64, ucontext
 //   elsewhere; annotated for AddressSanitizer either way); a block's fibers run on one host

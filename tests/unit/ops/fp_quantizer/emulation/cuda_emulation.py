@@ -1,7 +1,7 @@
 """Build and drive the CPU emulation of the CUDA kernels (no GPU, no CUDA runtime: g++ only).
 
 :func:`build` compiles ``emulated_op.cpp`` (the kernels of ``csrc/fp_quantizer/includes/
-fp_quantize_kernels.cuh`` under ``cuda_emulation.h``) with AddressSanitizer and
+fp_quantize_kernels.cuh`` and ``fp_gemv_kernels.cuh`` under ``cuda_emulation.h``) with AddressSanitizer and
 UndefinedBehaviorSanitizer, for an emulated ``__CUDA_ARCH__`` (900, 890, or ``None`` for the software
 codec path), cached by the hash of every source and flag. :class:`EmulatedCudaOp` has the compiled
 op's ``quantize`` / ``dequantize`` signatures, so the public API runs on it unchanged (see

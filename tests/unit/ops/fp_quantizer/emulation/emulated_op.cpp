@@ -1,6 +1,7 @@
-// The emulation-side binding: a process that runs the CUDA kernels of csrc/ (fp_quantize_kernels.cuh,
-// the same launch_over_groups as fp_quantize_cuda.cu) in the CPU emulation of cuda_emulation.h, built
-// with AddressSanitizer and UndefinedBehaviorSanitizer. cuda_emulation.py drives it over stdin/stdout:
+// The emulation-side binding: a process that runs the CUDA kernels of csrc/ (fp_quantize_kernels.cuh and
+// fp_gemv_kernels.cuh, the same launch_over_groups and launch_gemv as fp_quantize_cuda.cu) in the CPU
+// emulation of cuda_emulation.h, built with AddressSanitizer and UndefinedBehaviorSanitizer.
+// cuda_emulation.py drives it over stdin/stdout:
 //
 //   request:  Request, then the input buffers (quantize: x, given scales if any; dequantize: codes,
 //             scales; linear: x, codes, scales, bias if any), each exactly the size the geometry gives
@@ -15,6 +16,7 @@
 // kernel loop that never ends) aborts the process, as does the death of the parent.
 
 #include "cuda_emulation.h"
+#include "fp_gemv_kernels.cuh"
 #include "fp_quantize_kernels.cuh"
 
 #include <sanitizer/asan_interface.h>
