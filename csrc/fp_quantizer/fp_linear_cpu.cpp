@@ -11,14 +11,13 @@
 //      row decoder (fp_row_decode_cpu.h) into a buffer in L2, which an FMA (fp32) or vdpbf16ps (bf16)
 //      micro-kernel multiplies by every row of x.
 //    Either way the codes stream from memory once per call whatever M is; fp32 accumulation.
-//  * linear_cpu_panels (large M, prefill): panels of rows decoded in the weight dtype by decode_rows_cpu
-//    (fp_dequantize_cpu.cpp), each handed to the caller's matmul.
+//  * large M (prefill) is not here: ds_fpquant.linear.weight_only multiplies panels of rows that decode_rows_cpu
+//    (fp_dequantize_cpu.cpp) decodes in the weight dtype, the one panel loop of every device.
 // Each decoded weight is fl(decode(q) * s) rounded to the weight dtype (SPEC 5), the value that
 // dequantize() gives in that dtype; only the order of the fp32 sums differs from F.linear. AVX-512 code
 // paths where the compiler targets them (-march=native), portable loops otherwise. No torch includes.
 
 #include <algorithm>
-#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -197,22 +196,6 @@ void linear_cpu(Format fmt, const LinearArgs& args)
     dispatch_format(fmt, [&](auto f) {
         dispatch_dtype(args.weight_dtype, [&](auto w) { linear_rows<decltype(f), decltype(w)>(args); });
     });
-}
-
-int64_t linear_cpu_panel_rows(const LinearArgs& args, int64_t panel_bytes)
-{
-    const int64_t row_size = args.k * dispatch_dtype(args.weight_dtype, [](auto w) { return int64_t(sizeof(w)); });
-    return std::max<int64_t>(1, std::min(args.n, panel_bytes / std::max<int64_t>(1, row_size)));
-}
-
-void linear_cpu_panels(Format fmt, const LinearArgs& args, int64_t panel_rows, void* panel,
-                       const std::function<void(int64_t n0, int64_t n1)>& multiply)
-{
-    for (int64_t n0 = 0; n0 < args.n; n0 += panel_rows) {
-        const int64_t n1 = std::min(args.n, n0 + panel_rows);
-        decode_rows_cpu(fmt, args, n0, n1, panel);
-        multiply(n0, n1);
-    }
 }
 
 }  // namespace fpq

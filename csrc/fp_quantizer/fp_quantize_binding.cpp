@@ -175,23 +175,16 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t
     return out;
 }
 
-// y = x @ dequant(W)^T (+ bias), W (n, k) row-grouped codes with its scales: on the CPU fp_linear_cpu.cpp,
-// on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; fp32 sums, one rounding of sum + bias to x's dtype).
-//   x: (m, k) fp32 / fp16 / bf16, contiguous; the weights are decoded in x's dtype (SPEC 5).
-//   scales: fp32 or uint8 (scale_kind "fp32", "e8m0" or "e4m3" for NVFP4 with tensor_scale), shape
-//   (ceil(n / block_rows), ceil(k / G)); block_rows = Br for 2-D blocks, 1 for row groups.
-//   CPU, m <= small_m: the fused kernel (fp32 accumulation, one rounding to x's dtype); larger m: panels of
-//   about panel_bytes of decoded rows, each multiplied by torch's linear in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
-                  int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
-                  const std::string& fmt_name, int64_t group_size, int64_t small_m, int64_t panel_bytes)
+// The weight arguments of linear / decode_rows, checked, as the kernels' LinearArgs (x, y and m unset): W (n, k)
+// row-grouped packed codes, contiguous (n, row_bytes) uint8, with its scales: fp32 or uint8 (scale_kind "fp32",
+// "e8m0" or "e4m3" for NVFP4 with tensor_scale), contiguous (ceil(n / block_rows), ceil(k / G)); block_rows = Br
+// for 2-D blocks, 1 for row groups; decoded in weight_dtype (SPEC 5).
+fpq::LinearArgs weight_args(const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
+                            int64_t block_rows, double tensor_scale, fpq::Format fmt, int64_t group_size, int64_t k,
+                            at::ScalarType weight_dtype)
 {
-    const fpq::Format fmt = parse_format(fmt_name);
-    check_device(codes, x, "codes");
-    check_device(scales, x, "scales");
-    TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && !x.is_neg(), "x must be a contiguous 2-D (m, k) tensor");
+    check_device(scales, codes, "scales");
     TORCH_CHECK_VALUE(group_size >= 1 && block_rows >= 1, "group_size and block_rows must be >= 1");
-    const int64_t m = x.size(0), k = x.size(1);
     const int64_t g = effective_group_size(group_size, k);
     TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "codes.dtype=", codes.scalar_type(), "; expected torch.uint8");
     const int64_t rb = fpq::row_bytes(k, g, bits_of(fmt));
@@ -213,22 +206,41 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     TORCH_CHECK_VALUE(scales.dim() == 2 && scales.size(0) == scale_rows && scales.size(1) == scale_cols &&
                           scales.is_contiguous(),
                       "scales must be contiguous with shape (", scale_rows, ", ", scale_cols, "), got ", scales.sizes(), " with strides ", scales.strides());
+    args.scales = scales.data_ptr();
+    args.block_rows = block_rows;
+    args.scale_cols = scale_cols;
+    args.tensor_scale = static_cast<float>(tensor_scale);
+    args.weight_dtype = parse_dtype(weight_dtype, "x");
+    args.codes = codes.data_ptr<uint8_t>();
+    args.n = n;
+    args.k = k;
+    args.group_size = g;
+    args.row_bytes = rb;
+    return args;
+}
+
+// y = x @ dequant(W)^T (+ bias) by the fused kernels, W as for weight_args: on the CPU the fused kernel
+// (fp_linear_cpu.cpp: fp32 accumulation, one rounding to x's dtype), on CUDA tensors the GEMV kernel
+// (m <= kGemvMaxRows; fp32 sums, one rounding of sum + bias to x's dtype). x: (m, k) fp32 / fp16 / bf16,
+// contiguous; the weights are decoded in x's dtype (SPEC 5). More rows of x: the caller multiplies panels
+// of rows decoded by decode_rows (ds_fpquant.linear.weight_only).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
+                  int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
+                  const std::string& fmt_name, int64_t group_size)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    check_device(codes, x, "codes");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && !x.is_neg(), "x must be a contiguous 2-D (m, k) tensor");
+    const int64_t m = x.size(0), k = x.size(1);
+    fpq::LinearArgs args = weight_args(codes, scales, scale_kind, block_rows, tensor_scale, fmt, group_size, k,
+                                       x.scalar_type());
+    const int64_t n = args.n;
+    args.m = m;
     if (bias.has_value()) {
         TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias must have shape (", n, "), got ",
                           bias->sizes());
         check_device(*bias, x, "bias");
     }
-    args.scales = scales.data_ptr();
-    args.block_rows = block_rows;
-    args.scale_cols = scale_cols;
-    args.tensor_scale = static_cast<float>(tensor_scale);
-    args.weight_dtype = parse_dtype(x.scalar_type(), "x");
-    args.codes = codes.data_ptr<uint8_t>();
-    args.m = m;
-    args.n = n;
-    args.k = k;
-    args.group_size = g;
-    args.row_bytes = rb;
     if (m == 0 || n == 0) { return at::zeros({m, n}, x.options()); }
     if (k == 0) {
         auto y = at::zeros({m, n}, x.options());
@@ -251,30 +263,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     }
 #endif
     TORCH_CHECK_VALUE(x.is_cpu(), "linear: tensors on ", x.device(), " are not supported by this build");
-    if (m <= small_m) {  // the fused kernel on x zero-padded to its row layout
-        const int64_t k_padded = fpq::ceil_div(k, fpq::kLinearPad) * fpq::kLinearPad;
-        const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
-        auto xs = at::zeros({m, k_padded}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-        xs.narrow(1, 0, k).copy_(x);
-        auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
-        args.x = xs.data_ptr();
-        args.y = y32.data_ptr<float>();
-        fpq::linear_cpu(fmt, args);
-        if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }
-        return y32.to(x.scalar_type());
-    }
-    // one panel of rows of W at a time: y[:, n0:n1] = linear(x, W[n0:n1], bias[n0:n1]). (Not W @ x^T: in
-    // torch 2.13 that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)
-    auto y = at::empty({m, n}, x.options());
-    auto panel = at::empty({fpq::linear_cpu_panel_rows(args, panel_bytes), k}, x.options());
-    const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type()))
-                                                         : c10::nullopt;
-    fpq::linear_cpu_panels(fmt, args, panel.size(0), panel.data_ptr(), [&](int64_t n0, int64_t n1) {
-        const c10::optional<at::Tensor> bp = b.has_value() ? c10::optional<at::Tensor>(b->narrow(0, n0, n1 - n0))
-                                                           : c10::nullopt;
-        y.narrow(1, n0, n1 - n0).copy_(at::linear(x, panel.narrow(0, 0, n1 - n0), bp));
-    });
-    return y;
+    // the fused kernel on x zero-padded to its row layout
+    const int64_t k_padded = fpq::ceil_div(k, fpq::kLinearPad) * fpq::kLinearPad;
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
+    auto xs = at::zeros({m, k_padded}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+    xs.narrow(1, 0, k).copy_(x);
+    auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
+    args.x = xs.data_ptr();
+    args.y = y32.data_ptr<float>();
+    fpq::linear_cpu(fmt, args);
+    if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }
+    return y32.to(x.scalar_type());
+}
+
+// Rows n0 .. n1-1 of dequant(W) (W as for weight_args) written into out ((n1 - n0, k), contiguous, of out's
+// dtype fp32 / fp16 / bf16): the panels of the large-m linear. CPU tensors.
+void decode_rows(const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind, int64_t block_rows,
+                 double tensor_scale, const std::string& fmt_name, int64_t group_size, int64_t n0, int64_t n1,
+                 at::Tensor& out)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    TORCH_CHECK_VALUE(codes.is_cpu(), "decode_rows: CPU tensors only, got codes on ", codes.device());
+    check_device(out, codes, "out");
+    TORCH_CHECK_VALUE(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous 2-D (rows, k) tensor");
+    const fpq::LinearArgs args = weight_args(codes, scales, scale_kind, block_rows, tensor_scale, fmt, group_size,
+                                             out.size(1), out.scalar_type());
+    TORCH_CHECK_VALUE(0 <= n0 && n0 <= n1 && n1 <= args.n && out.size(0) == n1 - n0, "rows ", n0, " .. ", n1,
+                      " of ", args.n, " do not fit out of shape ", out.sizes());
+    if (n1 > n0 && args.k > 0) { fpq::decode_rows_cpu(fmt, args, n0, n1, out.data_ptr()); }
 }
 
 // Philox4x32-10 on one counter and key (the known-answer test calls it).
@@ -323,7 +339,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
     m.def("linear", &linear, "y = x @ dequant(W)^T + bias, decoded on the fly (CPU; CUDA for m <= 16)", py::arg("x"),
           py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
-          py::arg("bias"), py::arg("fmt"), py::arg("group_size"), py::arg("small_m"), py::arg("panel_bytes"));
+          py::arg("bias"), py::arg("fmt"), py::arg("group_size"));
+    m.def("decode_rows", &decode_rows, "rows n0 .. n1-1 of dequant(W) into out (CPU)", py::arg("codes"),
+          py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"), py::arg("fmt"),
+          py::arg("group_size"), py::arg("n0"), py::arg("n1"), py::arg("out"));
     m.def("format_table", &format_table, "the C++ format traits");
     m.def("cpu_paths", &fpq::linear_cpu_paths,
           "the AVX-512 paths compiled into the CPU kernels (fast_decode, bf16_dot, direct_bf16); [] when portable");

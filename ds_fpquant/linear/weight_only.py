@@ -17,7 +17,7 @@ dtype).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,43 +61,80 @@ def scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
     return scales, kind, block_rows, tensor_scale
 
 
+def _packed_codes(qt: QuantizedTensor) -> torch.Tensor:
+    """The codes as the kernels read them: packed rows ``(n, row_bytes)``, contiguous (a view or a slice of other
+    strides is copied once)."""
+    n, k = qt.shape
+    return qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits)).contiguous()
+
+
 def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The backend's own linear: the fused CPU kernel, the CUDA GEMV, or the torch reference's formula."""
     scales, kind, block_rows, tensor_scale = scale_layout(qt)
-    n, k = qt.shape
-    # the kernels read packed rows: codes of other strides (a view, a slice) are copied once
-    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits)).contiguous()
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
-    small_m = GEMV_MAX_ROWS if x2.is_cuda else SMALL_M[x2.dtype]
-    return op.linear(x2, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
-                     small_m, PANEL_BYTES)
+    return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size)
 
 
-def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str,
-            panel_bytes: int) -> torch.Tensor:
-    """``F.linear`` of ``x2`` with the weight dequantized ``panel_bytes`` of rows at a time."""
+def _op_decoder(op, qt: QuantizedTensor) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+    """``decode(n0, n1, out)``: rows ``n0 .. n1-1`` of the weight decoded by the compiled CPU op into ``out``."""
+    scales, kind, block_rows, tensor_scale = scale_layout(qt)
+    codes = _packed_codes(qt)
+
+    def decode(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        op.decode_rows(codes, scales, kind, block_rows, tensor_scale, qt.format.name, qt.group_size, n0, n1, out)
+        return out
+
+    return decode
+
+
+def _dequantizing_decoder(qt: QuantizedTensor, backend: str) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+    """``decode(n0, n1, out)``: rows ``n0 .. n1-1`` of the weight as ``dequantize`` gives them (a new tensor;
+    ``out`` gives the dtype)."""
+    def decode(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        return dequantize(row_slice(qt, n0, n1), out.dtype, backend=backend)
+
+    return decode
+
+
+def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], panel_bytes: int,
+            decode: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` of ``x2`` with the weight decoded ``panel_bytes`` of rows at a time (whole 2-D blocks of rows),
+    the one panel loop of every device: ``y[:, n0:n1] = F.linear(x2, W[n0:n1], bias[n0:n1])`` with ``W[n0:n1] =
+    decode(n0, n1, panel)`` in ``x2``'s dtype. (Not ``W @ x^T``: in torch 2.13 that bf16 GEMM lets a NaN/Inf weight
+    row spoil its neighbour row's result.)"""
     n, k = qt.shape
-    b = None if bias is None else bias.to(x2.dtype)
+    b = None if bias is None else bias.detach().to(x2.dtype)
     block_rows = qt.block[0] if qt.block is not None else 1
     rows = max(1, panel_bytes // max(1, k * x2.element_size()))
-    rows = ceil_div(rows, block_rows) * block_rows
+    rows = min(n, ceil_div(rows, block_rows) * block_rows)
+    panel = torch.empty(rows, k, dtype=x2.dtype, device=x2.device)
     if rows >= n:
-        return F.linear(x2, dequantize(qt, x2.dtype, backend=backend), b)
+        return F.linear(x2, decode(0, n, panel), b)
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        weight = dequantize(row_slice(qt, n0, n1), x2.dtype, backend=backend)
-        y[:, n0:n1] = F.linear(x2, weight, None if b is None else b[n0:n1])
+        y[:, n0:n1] = F.linear(x2, decode(n0, n1, panel[:n1 - n0]), None if b is None else b[n0:n1])
     return y
 
 
 def weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """The weight-only forward of :func:`linear` (the body of the ``ds_fpquant::linear`` custom op): the fused
-    CPU kernel, the CUDA GEMV or panels + cuBLAS, or the torch reference's dequantize + ``F.linear``."""
+    CPU kernel up to ``SMALL_M`` rows of ``x`` and the CUDA GEMV up to ``GEMV_MAX_ROWS``; beyond, panels of decoded
+    rows through torch's matmul (decoded by the CPU op, or dequantized on CUDA); the torch reference's
+    dequantize + ``F.linear`` on CPU tensors with the torch backend."""
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
-    if x.device.type == "cuda" and (not impl.WITH_CUDA or x2.shape[0] > GEMV_MAX_ROWS):
-        y = _panels(x2, qt, bias, backend, CUDA_PANEL_BYTES)  # no GEMV: bounded panels of decoded rows + cuBLAS
+    m = x2.shape[0]
+    if x.device.type == "cuda":
+        fused = impl.WITH_CUDA and m <= GEMV_MAX_ROWS
+        panel_bytes, decode = CUDA_PANEL_BYTES, _dequantizing_decoder(qt, backend)
     else:
-        y = _fused(impl, x2, qt, bias)  # the backend's linear: fused CPU kernel, CUDA GEMV, or the torch reference
+        torch_reference = not hasattr(impl, "decode_rows")
+        fused = torch_reference or m <= SMALL_M[x2.dtype]
+        panel_bytes, decode = PANEL_BYTES, None if torch_reference else _op_decoder(impl, qt)
+    if fused or n == 0 or k == 0 or m == 0:
+        y = _fused(impl, x2, qt, bias)
+    else:
+        y = _panels(x2, qt, bias, panel_bytes, decode)
     return y.reshape(*x.shape[:-1], n)

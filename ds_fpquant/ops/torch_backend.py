@@ -65,11 +65,10 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, fmt: str, gro
 
 
 def linear(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: str, block_rows: int, tensor_scale: float,
-           bias: Optional[torch.Tensor], fmt: str, group_size: int, small_m: int, panel_bytes: int) -> torch.Tensor:
+           bias: Optional[torch.Tensor], fmt: str, group_size: int) -> torch.Tensor:
     """``x2 @ dequantize(W, x2.dtype)^T + bias`` for the compiled op's ``linear`` arguments: the weight's packed
     ``codes`` ``(N, row_bytes)`` and stored ``scales`` (``kind`` ``"fp32"`` / ``"e8m0"`` / ``"e4m3"`` NVFP4 codes
-    times ``tensor_scale``), one scale row per ``block_rows`` rows. ``small_m`` and ``panel_bytes`` (the
-    compiled kernels' tuning) do not apply."""
+    times ``tensor_scale``), one scale row per ``block_rows`` rows."""
     n, k = codes.shape[0], x2.shape[1]
     with torch.no_grad(), ieee_denormals():
         s = fp32_scales(scales, kind, torch.tensor(tensor_scale, dtype=torch.float32, device=scales.device))

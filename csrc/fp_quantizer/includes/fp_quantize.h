@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -129,13 +128,6 @@ bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (v
 // The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
 // bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();
-// The large-m path (fp_linear_cpu.cpp): W's rows `panel_rows` at a time (linear_cpu_panel_rows: about
-// panel_bytes of decoded rows, at least one), each panel decoded into `panel` ((panel_rows, k) of
-// weight_dtype) and then handed to multiply(n0, n1), which multiplies x by its rows n0 .. n1-1.
-int64_t linear_cpu_panel_rows(const LinearArgs& args, int64_t panel_bytes);
-void linear_cpu_panels(Format fmt, const LinearArgs& args, int64_t panel_rows, void* panel,
-                       const std::function<void(int64_t n0, int64_t n1)>& multiply);
-
 // y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh): each
 // weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
 // dtype. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k, group_size,

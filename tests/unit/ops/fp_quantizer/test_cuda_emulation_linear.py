@@ -1,4 +1,4 @@
-"""The CUDA GEMV kernel (``gemv_kernel`` in fp_quantize_kernels.cuh: y = x @ dequantize(W)^T + b for up to
+"""The CUDA GEMV kernel (``gemv_kernel`` in fp_gemv_kernels.cuh: y = x @ dequantize(W)^T + b for up to
 16 rows of x) executed in the CPU emulation under ASan/UBSan, against the fp64 reference and the error
 bound every linear path is held to (unit/linear_bound.py): the weights are the SPEC 5 values in x's dtype,
 only the fp32 summation order differs. Called with exactly the arguments ``ds_fpquant.linear`` passes

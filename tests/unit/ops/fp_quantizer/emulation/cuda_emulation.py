@@ -231,12 +231,10 @@ class EmulatedCudaOp:
         return _tensor(out, out_dtype, (rows, k))
 
 
-    def linear(self, x, codes, scales, scale_kind, block_rows, tensor_scale, bias, fmt, group_size, small_m,
-               panel_bytes):
+    def linear(self, x, codes, scales, scale_kind, block_rows, tensor_scale, bias, fmt, group_size):
         """The CUDA binding's linear for m <= 16 rows (the GEMV kernel): x (m, k) fp32/fp16/bf16, codes
         (n, row_bytes), scales ``(ceil(n / block_rows), ceil(k / G))`` of ``scale_kind`` ("fp32", "e8m0",
-        "e4m3" with ``tensor_scale``), optional bias (n,) -> y (m, n) of x's dtype. ``small_m`` and
-        ``panel_bytes`` (the CPU op's) are not used."""
+        "e4m3" with ``tensor_scale``), optional bias (n,) -> y (m, n) of x's dtype."""
         f = get_format(fmt)
         m, k = x.shape
         n = codes.shape[0]
@@ -338,5 +336,4 @@ def run_gemv(op, x, qt, bias):
     n, k = qt.shape
     codes = qt.codes.reshape(n, -1)
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    return op.linear(x, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size,
-                     linear_module.GEMV_MAX_ROWS, linear_module.PANEL_BYTES)
+    return op.linear(x, codes, scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size)
