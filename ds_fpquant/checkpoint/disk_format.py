@@ -35,8 +35,6 @@ __all__ = ["FP8_METHOD", "OWN_METHOD", "to_parts", "from_parts", "quantization_c
 FP8_METHOD, OWN_METHOD = "fp8", "ds_fpquant"
 
 
-
-
 #: dtypes of ``weight_scale_inv`` in block-FP8 checkpoints: multipliers, or E8M0 exponent bytes (SPEC 3.2).
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -31,14 +31,14 @@ from ds_fpquant.tensor.slicing import row_slice
 __all__ = ["weight_only_linear", "scale_layout", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
 
 
-#: Rows of ``x`` (tokens) up to which the fused kernel runs; more rows take the panel path. Measured
-#: on the 2-core development machine (``ds-fpquant bench --linear``), per activation dtype: bf16/fp16
-#: matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not.
+#: Rows of ``x`` (tokens) up to which the fused CPU kernel runs; more rows take the panel path. Per activation
+#: dtype: bf16/fp16 matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not (the crossover is
+#: measured with ``ds-fpquant bench --linear``; results in ``benchmarks/results/``).
 SMALL_M = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
 
 
-#: Bytes of one panel of decoded weight rows in the large-M path: a quarter of a 4096x4096 bf16 layer,
-#: in the last-level cache; smaller panels made torch's matmul slower (measured 2-16 MiB at M=16-1024).
+#: Bytes of one panel of decoded weight rows in the large-M CPU path: a quarter of a 4096x4096 bf16 layer, so
+#: that a panel stays in the last-level cache while torch's matmul reads it.
 PANEL_BYTES = 8 * 2**20
 
 
@@ -47,7 +47,7 @@ GEMV_MAX_ROWS = 16
 
 
 #: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),
-#: so cuBLAS reads the panel from L2 right after it is written. A design value, not yet measured on a GPU.
+#: so cuBLAS reads the panel from L2 right after it is written (a design value; docs/gpu.md).
 CUDA_PANEL_BYTES = 16 * 2**20
 
 

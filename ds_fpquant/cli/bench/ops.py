@@ -53,8 +53,6 @@ MAX_MIB = 64 * 1024  # inputs up to 64 GiB (the H200 holds about 139 GiB)
 ROW = 4096  # elements per row of the benchmark tensors (a multiple of every group size above)
 
 
-
-
 @dataclass
 class Result:
     op: str  # "quantize" | "dequantize" | "copy" | "cast"
