@@ -75,7 +75,7 @@ def test_the_import_contracts_hold():
         pytest.skip("an installed copy without setup.cfg: the contracts are checked from the source tree")
     lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
     assert lint, "import-linter is a test dependency (setup.cfg [test])"
-    proc = subprocess.run([lint, "--config", str(REPO / "setup.cfg"), "--no-cache"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([lint, "--no-cache", str(REPO / "setup.cfg")], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 broken" in proc.stdout and "kept" in proc.stdout, proc.stdout
