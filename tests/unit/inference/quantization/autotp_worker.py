@@ -58,6 +58,10 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     result.update(_pre_quantized(rank, world, out_dir, base, ids))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
+    # both ranks done before either tears down: a rank that exits with the gloo group's threads still running can
+    # abort ("terminate called without an active exception", SIGABRT) while the other still talks to it
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _pre_quantized(rank, world, out_dir, base, ids):
