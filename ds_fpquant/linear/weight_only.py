@@ -75,45 +75,49 @@ def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tenso
     return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size)
 
 
-def _op_decoder(op, qt: QuantizedTensor) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
-    """``decode(n0, n1, out)``: rows ``n0 .. n1-1`` of the weight decoded by the compiled CPU op into ``out``."""
+def _op_decoder(op, qt: QuantizedTensor, x2: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
+    """``decode(n0, n1, rows)``: rows ``n0 .. n1-1`` of the weight decoded by the compiled CPU op in ``x2``'s dtype,
+    into one buffer of ``rows`` rows reused by every panel."""
     scales, kind, block_rows, tensor_scale = scale_layout(qt)
     codes = _packed_codes(qt)
+    buffer = []
 
-    def decode(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+    def decode(n0: int, n1: int, rows: int) -> torch.Tensor:
+        if not buffer:
+            buffer.append(torch.empty(rows, qt.shape[1], dtype=x2.dtype, device=x2.device))
+        out = buffer[0][:n1 - n0]
         op.decode_rows(codes, scales, kind, block_rows, tensor_scale, qt.format.name, qt.group_size, n0, n1, out)
         return out
 
     return decode
 
 
-def _dequantizing_decoder(qt: QuantizedTensor, backend: str) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
-    """``decode(n0, n1, out)``: rows ``n0 .. n1-1`` of the weight as ``dequantize`` gives them (a new tensor;
-    ``out`` gives the dtype)."""
-    def decode(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
-        return dequantize(row_slice(qt, n0, n1), out.dtype, backend=backend)
+def _dequantizing_decoder(qt: QuantizedTensor, x2: torch.Tensor, backend: str) -> Callable[[int, int, int], torch.Tensor]:
+    """``decode(n0, n1, rows)``: rows ``n0 .. n1-1`` of the weight as ``dequantize`` gives them in ``x2``'s dtype
+    (a new tensor per panel)."""
+    def decode(n0: int, n1: int, rows: int) -> torch.Tensor:
+        return dequantize(row_slice(qt, n0, n1), x2.dtype, backend=backend)
 
     return decode
 
 
 def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], panel_bytes: int,
-            decode: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            decode: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
     """``F.linear`` of ``x2`` with the weight decoded ``panel_bytes`` of rows at a time (whole 2-D blocks of rows),
     the one panel loop of every device: ``y[:, n0:n1] = F.linear(x2, W[n0:n1], bias[n0:n1])`` with ``W[n0:n1] =
-    decode(n0, n1, panel)`` in ``x2``'s dtype. (Not ``W @ x^T``: in torch 2.13 that bf16 GEMM lets a NaN/Inf weight
-    row spoil its neighbour row's result.)"""
+    decode(n0, n1, rows per panel)`` in ``x2``'s dtype. (Not ``W @ x^T``: in torch 2.13 that bf16 GEMM lets a
+    NaN/Inf weight row spoil its neighbour row's result.)"""
     n, k = qt.shape
     b = None if bias is None else bias.detach().to(x2.dtype)
     block_rows = qt.block[0] if qt.block is not None else 1
     rows = max(1, panel_bytes // max(1, k * x2.element_size()))
     rows = min(n, ceil_div(rows, block_rows) * block_rows)
-    panel = torch.empty(rows, k, dtype=x2.dtype, device=x2.device)
     if rows >= n:
-        return F.linear(x2, decode(0, n, panel), b)
+        return F.linear(x2, decode(0, n, n), b)
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        y[:, n0:n1] = F.linear(x2, decode(n0, n1, panel[:n1 - n0]), None if b is None else b[n0:n1])
+        y[:, n0:n1] = F.linear(x2, decode(n0, n1, rows), None if b is None else b[n0:n1])
     return y
 
 
@@ -128,11 +132,11 @@ def weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torc
     m = x2.shape[0]
     if x.device.type == "cuda":
         fused = impl.WITH_CUDA and m <= GEMV_MAX_ROWS
-        panel_bytes, decode = CUDA_PANEL_BYTES, _dequantizing_decoder(qt, backend)
+        panel_bytes, decode = CUDA_PANEL_BYTES, _dequantizing_decoder(qt, x2, backend)
     else:
         torch_reference = not hasattr(impl, "decode_rows")
         fused = torch_reference or m <= SMALL_M[x2.dtype]
-        panel_bytes, decode = PANEL_BYTES, None if torch_reference else _op_decoder(impl, qt)
+        panel_bytes, decode = PANEL_BYTES, None if torch_reference else _op_decoder(impl, qt, x2)
     if fused or n == 0 or k == 0 or m == 0:
         y = _fused(impl, x2, qt, bias)
     else:
