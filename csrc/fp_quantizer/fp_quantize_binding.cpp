@@ -219,11 +219,11 @@ fpq::LinearArgs weight_args(const at::Tensor& codes, const at::Tensor& scales, c
     return args;
 }
 
-// y = x @ dequant(W)^T (+ bias) by the fused kernels, W as for weight_args: on the CPU the fused kernel
-// (fp_linear_cpu.cpp: fp32 accumulation, one rounding to x's dtype), on CUDA tensors the GEMV kernel
-// (m <= kGemvMaxRows; fp32 sums, one rounding of sum + bias to x's dtype). x: (m, k) fp32 / fp16 / bf16,
-// contiguous; the weights are decoded in x's dtype (SPEC 5). More rows of x: the caller multiplies panels
-// of rows decoded by decode_rows (ds_fpquant.linear.weight_only).
+// y = x @ W^T (+ bias) by the fused kernels, W as for weight_args: on the CPU SPEC 8's formula (fp_linear_cpu.cpp:
+// exact codes, group partial sums times the group scale, fp32; bias added in fp32; one rounding to x's dtype),
+// any m; on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; weights rounded to x's dtype, fp32 sums, one
+// rounding of sum + bias). x: (m, k) fp32 / fp16 / bf16, contiguous. The caller may instead multiply panels of
+// rows decoded by decode_rows (ds_fpquant.linear.weight_only).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
                   int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
                   const std::string& fmt_name, int64_t group_size)
@@ -265,13 +265,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     TORCH_CHECK_VALUE(x.is_cpu(), "linear: tensors on ", x.device(), " are not supported by this build");
     // the fused kernel on x zero-padded to its row layout
     const int64_t k_padded = fpq::ceil_div(k, fpq::kLinearPad) * fpq::kLinearPad;
-    const bool bf16 = x.scalar_type() == at::kBFloat16 && fpq::linear_cpu_stages_bf16();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;  // fp16 x widens exactly to fp32
     auto xs = at::zeros({m, k_padded}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
     xs.narrow(1, 0, k).copy_(x);
     auto y32 = at::empty({m, n}, x.options().dtype(at::kFloat));
     args.x = xs.data_ptr();
     args.y = y32.data_ptr<float>();
-    fpq::linear_cpu(fmt, args);
+    fpq::linear_cpu(fmt, args, bf16);
     if (bias.has_value()) { y32.add_(bias->to(at::kFloat)); }
     return y32.to(x.scalar_type());
 }

@@ -1,17 +1,16 @@
-"""The weight-only forward of :func:`ds_fpquant.linear.linear`: ``y = x @ dequantize(W)^T + bias`` without a
-full-precision copy of ``W`` (SPEC 5, SPEC 8).
+"""The weight-only forward of :func:`ds_fpquant.linear.linear`: ``y = x @ W^T + bias`` without a full-precision
+copy of ``W`` (SPEC 8).
 
 On CPU tensors with the compiled op the weight is decoded from its packed codes on the fly (``csrc/fp_quantizer``):
-for few rows of ``x`` (token-by-token decoding) a fused kernel streams the codes once, all rows of ``x`` per pass,
-accumulating in fp32; for many rows (prefill) cache-sized panels of decoded rows go through torch's matmul in
-``x``'s dtype. On CUDA tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV
-kernel (one warp per weight row, codes read once, fp32 sums); more rows decode panels of ``CUDA_PANEL_BYTES`` of
-weight rows for cuBLAS, never the whole weight. The torch backend is ``F.linear(x, dequantize(W, x.dtype), bias)``.
+up to ``SMALL_M`` rows of ``x`` (token-by-token decoding) the fused kernel streams the codes once, decodes each code
+exactly and multiplies each group's partial sum by the group's scale, in fp32; for more rows (prefill) panels of
+weight rows decoded in fp32 (``fl(decode(q) * s)``) go through torch's fp32 matmul. The torch backend computes the
+fused kernel's formula in plain torch (``ds_fpquant.ops.torch_backend.linear``), on any device.
 
-Numerics (SPEC 5, SPEC 8): every path multiplies by the same weights, ``dequantize(W, x.dtype)``
-(``fl(decode(q) * s)`` rounded to ``x``'s dtype); the results differ from ``F.linear(x, dequantize(W, x.dtype),
-bias)`` only in the order of the fp32 sums (and, in the fused kernel, one rounding of the fp32 result to ``x``'s
-dtype).
+On CUDA tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV kernel (one warp per
+weight row, codes read once, fp32 sums); more rows decode panels of ``CUDA_PANEL_BYTES`` of weight rows in ``x``'s
+dtype for cuBLAS, never the whole weight. Both CUDA paths still multiply by ``dequantize(W, x.dtype)``, the weights
+rounded to ``x``'s dtype (SPEC 8 says what that costs; the CUDA GEMV's rewrite to the group formula is issue 28).
 """
 
 from __future__ import annotations
@@ -31,14 +30,13 @@ from ds_fpquant.tensor.slicing import row_slice
 __all__ = ["weight_only_linear", "scale_layout", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
 
 
-#: Rows of ``x`` (tokens) up to which the fused CPU kernel runs; more rows take the panel path. Per activation
-#: dtype: bf16/fp16 matmuls use the CPU's bf16/fp16 units in the panel path, fp32 ones do not (the crossover is
-#: measured with ``ds-fpquant bench --linear``; results in ``benchmarks/results/``).
-SMALL_M = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
+#: Rows of ``x`` (tokens) up to which the fused CPU kernel runs; more rows take the fp32 panel path. Per activation
+#: dtype (the crossover is measured with ``ds-fpquant bench --linear``; results in ``benchmarks/results/``).
+SMALL_M = {torch.float32: 32, torch.bfloat16: 32, torch.float16: 32}
 
 
-#: Bytes of one panel of decoded weight rows in the large-M CPU path: a quarter of a 4096x4096 bf16 layer, so
-#: that a panel stays in the last-level cache while torch's matmul reads it.
+#: Bytes of one panel of decoded weight rows in the large-M CPU path: an eighth of a 4096x4096 fp32 layer, so that
+#: a panel stays in the last-level cache while torch's matmul reads it.
 PANEL_BYTES = 8 * 2**20
 
 
@@ -76,8 +74,8 @@ def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tenso
 
 
 def _op_decoder(op, qt: QuantizedTensor, x2: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
-    """``decode(n0, n1, rows)``: rows ``n0 .. n1-1`` of the weight decoded by the compiled CPU op in ``x2``'s dtype,
-    into one buffer of ``rows`` rows reused by every panel."""
+    """``decode(n0, n1, rows)``: rows ``n0 .. n1-1`` of the weight decoded by the compiled CPU op in ``x2``'s dtype
+    (``fl(decode(q) * s)`` rounded to it, SPEC 5), into one buffer of ``rows`` rows reused by every panel."""
     scales, kind, block_rows, tensor_scale = scale_layout(qt)
     codes = _packed_codes(qt)
     buffer = []
@@ -105,8 +103,8 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
             decode: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
     """``F.linear`` of ``x2`` with the weight decoded ``panel_bytes`` of rows at a time (whole 2-D blocks of rows),
     the one panel loop of every device: ``y[:, n0:n1] = F.linear(x2, W[n0:n1], bias[n0:n1])`` with ``W[n0:n1] =
-    decode(n0, n1, rows per panel)`` in ``x2``'s dtype. (Not ``W @ x^T``: in torch 2.13 that bf16 GEMM lets a
-    NaN/Inf weight row spoil its neighbour row's result.)"""
+    decode(n0, n1, rows per panel)`` in ``x2``'s dtype (the caller's compute dtype). (Not ``W @ x^T``: in torch 2.13
+    that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)"""
     n, k = qt.shape
     b = None if bias is None else bias.detach().to(x2.dtype)
     block_rows = qt.block[0] if qt.block is not None else 1
@@ -124,21 +122,23 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
 def weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """The weight-only forward of :func:`linear` (the body of the ``ds_fpquant::linear`` custom op): the fused
     CPU kernel up to ``SMALL_M`` rows of ``x`` and the CUDA GEMV up to ``GEMV_MAX_ROWS``; beyond, panels of decoded
-    rows through torch's matmul (decoded by the CPU op, or dequantized on CUDA); the torch reference's
-    dequantize + ``F.linear`` on CPU tensors with the torch backend."""
+    rows through torch's matmul (decoded in fp32 by the CPU op, or dequantized in ``x``'s dtype on CUDA); the torch
+    reference's formula with the torch backend."""
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
     m = x2.shape[0]
-    if x.device.type == "cuda":
-        fused = impl.WITH_CUDA and m <= GEMV_MAX_ROWS
-        panel_bytes, decode = CUDA_PANEL_BYTES, _dequantizing_decoder(qt, x2, backend)
-    else:
-        torch_reference = not hasattr(impl, "decode_rows")
-        fused = torch_reference or m <= SMALL_M[x2.dtype]
-        panel_bytes, decode = PANEL_BYTES, None if torch_reference else _op_decoder(impl, qt, x2)
-    if fused or n == 0 or k == 0 or m == 0:
+    torch_reference = not hasattr(impl, "decode_rows")  # the torch backend: its formula on any device
+    if torch_reference or n == 0 or k == 0 or m == 0:
         y = _fused(impl, x2, qt, bias)
-    else:
-        y = _panels(x2, qt, bias, panel_bytes, decode)
+    elif x.device.type == "cuda":  # the GEMV, or panels in x's dtype for cuBLAS
+        if impl.WITH_CUDA and m <= GEMV_MAX_ROWS:
+            y = _fused(impl, x2, qt, bias)
+        else:
+            y = _panels(x2, qt, bias, CUDA_PANEL_BYTES, _dequantizing_decoder(qt, x2, backend))
+    elif m <= SMALL_M[x2.dtype]:
+        y = _fused(impl, x2, qt, bias)
+    else:  # panels decoded in fp32 (fl(decode(q) * s)), fp32 matmul, one rounding to x's dtype
+        x32 = x2.float()
+        y = _panels(x32, qt, bias, PANEL_BYTES, _op_decoder(impl, qt, x32)).to(x2.dtype)
     return y.reshape(*x.shape[:-1], n)

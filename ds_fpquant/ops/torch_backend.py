@@ -64,14 +64,40 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, fmt: str, gro
     return y
 
 
+#: Bytes of the fp32 group partial sums ``(groups, m, rows)`` the reference's linear holds per panel of weight rows.
+PANEL_PARTIALS_BYTES = 32 * 2**20
+
+
 def linear(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: str, block_rows: int, tensor_scale: float,
            bias: Optional[torch.Tensor], fmt: str, group_size: int) -> torch.Tensor:
-    """``x2 @ dequantize(W, x2.dtype)^T + bias`` for the compiled op's ``linear`` arguments: the weight's packed
-    ``codes`` ``(N, row_bytes)`` and stored ``scales`` (``kind`` ``"fp32"`` / ``"e8m0"`` / ``"e4m3"`` NVFP4 codes
-    times ``tensor_scale``), one scale row per ``block_rows`` rows."""
-    n, k = codes.shape[0], x2.shape[1]
+    """SPEC 8's linear for the compiled op's ``linear`` arguments, in plain torch (its readable reference):
+    ``y[m, n] = sum_g s[n, g] * (sum_{j in g} x2[m, j] * decode(q[n, j])) + bias[n]``, fp32 throughout, one
+    rounding to ``x2``'s dtype.
+
+    ``x2`` ``(M, K)`` fp32 / fp16 / bf16; the weight's packed ``codes`` ``(N, row_bytes)`` and stored ``scales``
+    (``kind`` ``"fp32"`` / ``"e8m0"`` / ``"e4m3"`` NVFP4 codes times ``tensor_scale``), one scale row per
+    ``block_rows`` rows; ``bias`` ``(N,)`` in ``x2``'s dtype or None. The codes are decoded exactly (never rounded
+    with their scale); each group's partial sum (a batched fp32 matmul over groups) is multiplied by its scale
+    and the groups are added in fp32. Weight rows go in panels whose partial sums stay within
+    ``PANEL_PARTIALS_BYTES``. Returns ``(M, N)`` of ``x2``'s dtype.
+    """
+    f = get_format(fmt)
+    n, (m, k) = codes.shape[0], x2.shape
+    g = min(group_size, max(k, 1))
+    groups = ceil_div(k, g)
+    pad = groups * g - k
     with torch.no_grad(), ieee_denormals():
         s = fp32_scales(scales, kind, torch.tensor(tensor_scale, dtype=torch.float32, device=scales.device))
-        s = s.repeat_interleave(block_rows, dim=0)[:n].reshape(n, ceil_div(k, group_size))
-        weight = dequantize(codes, s.contiguous(), k, fmt, min(group_size, max(k, 1)), x2.dtype)
-    return torch.nn.functional.linear(x2, weight, bias)
+        s = s.repeat_interleave(block_rows, dim=0)[:n].reshape(n, groups)
+        xg = torch.nn.functional.pad(x2.float(), (0, pad)).view(m, groups, g).transpose(0, 1)  # (groups, M, G)
+        y = torch.empty(m, n, dtype=torch.float32, device=x2.device)
+        rows = max(1, PANEL_PARTIALS_BYTES // max(1, 4 * groups * m))
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            w = decode(unpack_rows(codes[n0:n1], k, g, f.bits), f)  # exact: decode(q), fp32
+            w = torch.nn.functional.pad(w, (0, pad)).view(n1 - n0, groups, g).permute(1, 2, 0)  # (groups, G, rows)
+            partial = torch.bmm(xg, w)  # (groups, M, rows): each group's partial sum
+            y[:, n0:n1] = (partial * s[n0:n1].t().unsqueeze(1)).sum(0)
+        if bias is not None:
+            y += bias.float()
+    return y.to(x2.dtype)

@@ -1,8 +1,9 @@
 """Bounds for results the contract does not fix bit for bit (SPEC 8, issue 24): anything summed in fp32 by a matmul
 whose kernel, and so the order of its sums, the machine chooses (BLAS, oneDNN, inductor, autograd).
 
-- one quantized linear (every backend, every path) against an fp64 reference built from the torch backend's
-  dequantized weight (itself checked bit for bit against the oracle elsewhere): the fp32 summation bound;
+- one quantized linear (every backend, every path) against an fp64 reference built from the exact weights
+  (codes times scales, :func:`exact_weight`; the CUDA paths: the torch backend's dequantized weight, itself
+  checked bit for bit against the oracle elsewhere): the fp32 summation bound;
   :class:`LinearCalls` applies it to every quantized linear of a model's forward;
 - any other fp32 matmul (gradients): :func:`matmul_within_bound`;
 - a whole model evaluated two ways: :func:`assert_as_accurate_as`, against the fp64 evaluation of the model
@@ -21,19 +22,52 @@ EPS_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 TINY_OUT = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 
 
-def assert_linear_within_bound(x, qt, bias, y):
-    """``y`` of a quantized linear against fp64 ``x @ dequantize(qt, x.dtype)^T + bias``: every path multiplies
-    by the SPEC 5 weights in x's dtype and differs only in the order of its fp32 sums (and one rounding to
-    x's dtype), so ``|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref|`` elementwise (plus half the output
-    dtype's smallest subnormal), NaN exactly where the reference is NaN, the same Inf where it is Inf."""
-    w = fpq.dequantize(qt, x.dtype, backend="torch").double()
-    x64 = x.double().reshape(-1, w.shape[1])
+def exact_weight(qt):
+    """The weight SPEC 8's linear multiplies by, in fp64: ``decode(q) * s`` exactly (the codes decoded by the codec,
+    the group scales as SPEC 3 defines them: fp32 as stored, E8M0 ``2^(b-127)``, NVFP4 ``decode_e4m3(c) * t``)."""
+    from ds_fpquant.linear.weight_only import scale_layout
+    from ds_fpquant.numerics.codec import decode
+    from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT, get_format
+    from ds_fpquant.numerics.packing import row_bytes, unpack_rows
+    from ds_fpquant.numerics.scales import e8m0_decode
+
+    n, k = qt.shape
+    g = min(qt.group_size, max(k, 1))
+    f = qt.format
+    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, g, f.bits)).cpu()
+    d = decode(unpack_rows(codes, k, g, f.bits), f).double()
+    scales, kind, block_rows, t = scale_layout(qt)
+    scales = scales.cpu()
+    if kind == "e8m0":
+        s = e8m0_decode(scales).double()
+    elif kind == NVFP4_SCALE_FORMAT:
+        s = decode(scales, get_format(NVFP4_SCALE_FORMAT)).double() * t
+    else:
+        s = scales.double()
+    s = s.repeat_interleave(block_rows, dim=0)[:n].repeat_interleave(g, dim=1)[:, :k]
+    return d * s
+
+
+def assert_linear_within_bound(x, qt, bias, y, weights="exact"):
+    """``y`` of a quantized linear against fp64 ``x @ w^T + bias``, SPEC 8's bound. ``weights="exact"`` (every CPU
+    path and the torch backend): ``w`` = :func:`exact_weight`, the codes times their group scales exactly;
+    ``"rounded"`` (the CUDA GEMV and panels, until issue 28): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in
+    x's dtype. Either way the path differs from the reference only in the order and rounding of its fp32 sums
+    (and one rounding to x's dtype), so ``|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref|`` elementwise (plus
+    half the output dtype's smallest subnormal), NaN exactly where the reference is NaN, the same Inf where it
+    is Inf."""
+    if weights == "exact":
+        w = exact_weight(qt)
+    else:
+        assert weights == "rounded", weights
+        w = fpq.dequantize(qt, x.dtype, backend="torch").double().cpu()
+    x64 = x.double().cpu().reshape(-1, w.shape[1])
     ref = x64 @ w.T
     size = x64.abs() @ w.abs().T
     if bias is not None:  # every path adds the bias rounded to x's dtype (SPEC 8)
-        b = bias.to(x.dtype).double()
+        b = bias.to(x.dtype).double().cpu()
         ref, size = ref + b, size + b.abs()
-    y64 = y.double().reshape(ref.shape)
+    y64 = y.double().cpu().reshape(ref.shape)
     k = w.shape[1]
     tol = 2 * k * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
     nan = torch.isnan(ref)

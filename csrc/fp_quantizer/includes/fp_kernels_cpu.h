@@ -1,7 +1,7 @@
 // What the CPU kernel files share beyond the kernel interface (fp_quantize.h): which AVX-512 paths this
 // build compiles, decided once from the compiler's target macros (-march=native, or DS_FPQUANT_CPU_ARCH's
 // target; none in a portable build such as x86-64-v3), the layout constants of the CPU linear, and the
-// entry point of the bf16 register path (fp_linear_bf16_cpu.cpp) that the linear dispatch
+// entry point of the register-blocked linear (fp_linear_small_m_cpu.cpp) that the linear dispatch
 // (fp_linear_cpu.cpp) calls. linear_cpu_paths() reports the FPQ_* paths. No torch includes.
 //
 // The decoders of fp_row_decode_cpu.h and fp_bf16_weights_cpu.h are in an unnamed namespace, as they
@@ -23,12 +23,13 @@
 #define FPQ_FAST_DECODE 1
 #endif
 
-// bf16_dot: bf16 x multiplied in bf16 pairs by vdpbf16ps (the buffered micro-kernel of fp_linear_cpu.cpp).
+// bf16_dot: AVX-512 BF16 (vdpbf16ps, vcvtne2ps2bf16), used by the bf16 dequantize.
 #if defined(FPQ_FAST_DECODE) && defined(__AVX512BF16__)
 #define FPQ_BF16_DOT 1
 #endif
 
-// direct_bf16: the register path, 32 bf16 weights a step with no buffer (fp_bf16_weights_cpu.h).
+// direct_bf16: + VBMI: the bf16 dequantize's 32-wide steps (fp_bf16_weights_cpu.h) and the register-blocked
+// linear (byte-table decode, fp_raw_decode_cpu.h; fp_linear_small_m_cpu.cpp).
 #if defined(FPQ_BF16_DOT) && defined(__AVX512VBMI__)
 #define FPQ_DIRECT_BF16 1
 #endif
@@ -37,19 +38,13 @@ namespace fpq {
 namespace cpu_kernels {
 
 constexpr int64_t kLanes = 16;           // fp32 lanes of one AVX-512 vector; chunks are multiples of it
-constexpr int64_t kPad = kLinearPad;     // x rows and decoded chunks are zero-padded to a multiple of this
-
-#if defined(FPQ_BF16_DOT)
-constexpr bool kStagesBf16 = true;
-#else
-constexpr bool kStagesBf16 = false;
-#endif
 
 #if defined(FPQ_DIRECT_BF16)
-// y = x @ dequant(W)^T by the register path for bf16 x (fp_linear_bf16_cpu.cpp); false, having done
-// nothing, where it does not apply (not a 4- or 8-bit format, groups not a multiple of 16 codes, more
-// rows of x than it takes).
-bool linear_bf16_direct(Format fmt, const LinearArgs& args);
+// SPEC 8's y = sum_g s_g * (x . decode(q))_g (fp32, no bias) by the register-blocked kernel
+// (fp_linear_small_m_cpu.cpp) for any m: x bf16 (x_bf16) or fp32, rows zero-padded to kLinearPad columns;
+// false, having done nothing, where it does not apply (not a 4-, 6- or 8-bit format, groups not a multiple
+// of 16 codes).
+bool linear_small_m(Format fmt, const LinearArgs& args, bool x_bf16);
 #endif
 
 }  // namespace cpu_kernels

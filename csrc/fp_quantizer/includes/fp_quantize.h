@@ -44,15 +44,16 @@ struct DequantizeArgs {
 // e4m3 codes times LinearArgs::tensor_scale (3.4).
 enum class LinearScale : int { kFp32 = 0, kE8m0 = 1, kE4m3 = 2 };
 
-// Rows of x for linear_cpu are zero-padded to a multiple of this many columns.
-constexpr int64_t kLinearPad = 32;
+// Rows of x for linear_cpu are zero-padded to a multiple of this many columns (a decode step's codes).
+constexpr int64_t kLinearPad = 64;
 
-// y = x @ dequant(W)^T for W (n, k) in the row layout (groups of group_size along k). The scale of
-// group g of row r is scales[(r / block_rows) * scale_cols + g]: block_rows = 1 for row groups, Br
-// for 2-D blocks (Bc = group_size). Decoded weights are rounded to weight_dtype (SPEC 5).
+// W (n, k) in the row layout (groups of group_size along k) for the linear and the row decoders. The
+// scale of group g of row r is scales[(r / block_rows) * scale_cols + g]: block_rows = 1 for row groups,
+// Br for 2-D blocks (Bc = group_size). weight_dtype: the dtype decode_rows_cpu writes (SPEC 5), and for
+// the GEMV the weights' rounding; linear_cpu multiplies exact codes (SPEC 8).
 struct LinearArgs {
-    const void* x = nullptr;         // (m, k) rows zero-padded to a multiple of kLinearPad columns: bf16
-                                     // when x is bf16 and linear_cpu_stages_bf16(), else fp32
+    const void* x = nullptr;         // linear_cpu: (m, k) rows zero-padded to a multiple of kLinearPad
+                                     // columns, bf16 (x_bf16) or fp32
     const uint8_t* codes = nullptr;  // (n, row_bytes)
     const void* scales = nullptr;    // see LinearScale
     LinearScale scale_kind = LinearScale::kFp32;
@@ -121,10 +122,9 @@ void dequantize_cpu(Format fmt, const DequantizeArgs& args);
 // The rows n0 .. n1-1 of W decoded into `out` ((n1 - n0, k) of weight_dtype; fp_dequantize_cpu.cpp).
 void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1, void* out);
 
-// Fused dequantize-matmul (fp_linear_cpu.cpp; its bf16 register path fp_linear_bf16_cpu.cpp): y (fp32)
-// for small m.
-void linear_cpu(Format fmt, const LinearArgs& args);
-bool linear_cpu_stages_bf16();  // whether bf16 x is multiplied in bf16 pairs (vdpbf16ps) by linear_cpu
+// The fused linear (SPEC 8; fp_linear_cpu.cpp, its register-blocked kernel fp_linear_small_m_cpu.cpp):
+// y (m, n) fp32 = sum_g s_g * (sum_{j in g} x_j * decode(q_j)), no bias; x bf16 when x_bf16, else fp32.
+void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
 // The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
 // bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();

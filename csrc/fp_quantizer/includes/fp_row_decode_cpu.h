@@ -3,11 +3,13 @@
 // the one entry: the portable loops (unpack_range, decode_codes), and where the compiler targets AVX-512
 // (FPQ_FAST_DECODE, fp_kernels_cpu.h) FastDecoder's 16 codes a step, with round_to / store_exact for the
 // rounding and the stores. Used by the CPU dequantize (fp_dequantize_cpu.cpp), the buffered linear
-// (fp_linear_cpu.cpp) and the register path's tails (fp_linear_bf16_cpu.cpp). No torch includes.
+// (fp_linear_cpu.cpp, with the scale 1: the linear multiplies exact codes) and the small-m linear's
+// scales (decode_row_scales). No torch includes.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "fp_kernels_cpu.h"
@@ -289,6 +291,44 @@ void decode_row_span(const LinearArgs& a, const Fast& fast, int64_t n, int64_t k
 #endif
         decode_codes<F, W, Out>(group, glen, j0, j1, s, out + j0, codes);
     }
+}
+
+// The fp32 scale of each group of weight row n into out[0 .. a.scale_cols): the values linear_scale_at()
+// gives (SPEC 3.1 fp32 as stored; 3.2 E8M0 2^(b-127), byte 255 NaN; 3.4 NVFP4 fl(decode_e4m3(c) * t)).
+inline void decode_row_scales(const LinearArgs& a, int64_t n, float* out)
+{
+    const int64_t index = (n / a.block_rows) * a.scale_cols;
+    if (a.scale_kind == LinearScale::kFp32) {
+        std::memcpy(out, static_cast<const float*>(a.scales) + index, size_t(a.scale_cols) * sizeof(float));
+        return;
+    }
+    const uint8_t* bytes = static_cast<const uint8_t*>(a.scales) + index;
+#if defined(FPQ_FAST_DECODE)
+    const FastDecoder<E4M3> scale_codes{};
+    for (int64_t j = 0; j < a.scale_cols; j += 16) {
+        const int64_t count = std::min<int64_t>(16, a.scale_cols - j);
+        const __mmask16 lanes = __mmask16((1u << count) - 1);
+        const __m128i b = _mm_maskz_loadu_epi8(lanes, bytes + j);
+        __m512 v;
+        if (a.scale_kind == LinearScale::kE8m0) {  // 2^(b-127): b << 23; byte 0 is 2^-127, 255 is NaN
+            const __m512i e = _mm512_cvtepu8_epi32(b);
+            __m512i bits = _mm512_slli_epi32(e, 23);
+            bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                         _mm512_set1_epi32(0x00400000));
+            bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(int(kE8m0Nan))),
+                                         _mm512_set1_epi32(int(kF32QuietNan)));
+            v = _mm512_castsi512_ps(bits);
+        } else {  // NVFP4: fl(decode(c) * t)
+            alignas(16) uint8_t padded[16];
+            _mm_store_si128(reinterpret_cast<__m128i*>(padded), b);
+            v = _mm512_mul_ps(scale_codes.decode16(padded, 0), _mm512_set1_ps(a.tensor_scale));
+        }
+        _mm512_mask_storeu_ps(out + j, lanes, v);
+    }
+#else
+    for (int64_t g = 0; g < a.scale_cols; ++g) { out[g] = linear_scale_at(a, n, g); }
+    (void)bytes;
+#endif
 }
 
 // The decoder the callers construct once and pass to decode_row_span: FastDecoder where there is one,
