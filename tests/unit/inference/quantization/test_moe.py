@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from unit.linear_bound import LinearCalls
+from unit.linear_bound import LinearCalls, assert_as_accurate_as
 from unit.moe_models import tiny_moe as _tiny
 
 import ds_fpquant as fpq
@@ -44,29 +44,33 @@ def test_apply_quantizes_every_expert_and_matches_the_dequantized_model(kind, se
     # expert); the reference must run the same loop, not its grouped_mm default, whose fp32 sums are in
     # another order chosen by the CPU's BLAS (issue 24: logits 1e-7 apart on a Zen 4).
     ref.set_experts_implementation("eager")
-    # only the experts, on the torch backend: each expert's matmul is then F.linear(x, dequantize(W_e)) with
-    # the same operands, shapes and strides as the reference's F.linear(x, W[e]), and every other layer is
-    # the same module with the same weights: the same calls in the same order, so the same bits
-    config = {"fp_quantization": {**section, "backend": "torch", "exclude": ["self_attn", "lm_head", "shared",
-                                                                             r"mlp\.(gate|up|down)_proj"]}}
-    quantized = integration.apply(copy.deepcopy(model), config)
-    for module in quantized.modules():
-        for pname in ("gate_up_proj", "down_proj"):
-            if hasattr(module, f"{pname}_codes"):
-                assert module._parameters.get(pname) is None and getattr(module, pname) is None
-    n_quantized = sum(len(quantized_experts(m)) for m in quantized.modules())
-    assert n_quantized == sum(len(expert_parameter_names(m)) for _, m in stacks)
+    # only the experts quantized (every other layer the same module with the same weights); on the torch
+    # backend (SPEC 8.1's formula written in torch) and on the fused op (backend auto), each sums in its own
+    # order, so neither is bit-equal to the reference's F.linear(x, W[e]) (SPEC 8.2: the order of the fp32
+    # sums is not part of the contract). What is: each of their calls in the forward (every routed expert's two
+    # projections) within the fp32 bound of its own inputs (unit/linear_bound.py), and the whole forward as
+    # close to the fp64 model holding the dequantized experts as the fp32 one is.
+    exclude = ["self_attn", "lm_head", "shared", r"mlp\.(gate|up|down)_proj"]
     with torch.no_grad():
-        assert torch.equal(quantized(ids).logits, ref(ids).logits)
-    # the fused op (backend auto) sums in its own order: each of its calls in the forward (every routed
-    # expert's two projections) within the fp32 summation bound of its own inputs (unit/linear_bound.py)
-    auto = integration.apply(copy.deepcopy(model), {"fp_quantization": {**section, "exclude": config["fp_quantization"]["exclude"]}})
-    calls = LinearCalls(monkeypatch)
-    with torch.no_grad():
-        auto(ids)
-    routed = sum(1 for m in auto.modules() if quantized_experts(m))
-    assert len(calls.calls) >= 2 * routed, "the experts did not run the quantized linear"
-    calls.assert_each_within_bound()
+        baseline = ref(ids).logits
+        exact = copy.deepcopy(ref).double()(ids).logits
+    for backend in ("torch", "auto"):
+        quantized = integration.apply(copy.deepcopy(model), {"fp_quantization": {**section, "backend": backend,
+                                                                                 "exclude": exclude}})
+        for module in quantized.modules():
+            for pname in ("gate_up_proj", "down_proj"):
+                if hasattr(module, f"{pname}_codes"):
+                    assert module._parameters.get(pname) is None and getattr(module, pname) is None
+        n_quantized = sum(len(quantized_experts(m)) for m in quantized.modules())
+        assert n_quantized == sum(len(expert_parameter_names(m)) for _, m in stacks)
+        calls = LinearCalls(monkeypatch)
+        with torch.no_grad():
+            got = quantized(ids).logits
+        routed = sum(1 for m in quantized.modules() if quantized_experts(m))
+        assert len(calls.calls) >= 2 * routed, f"backend={backend}: the experts did not run the quantized linear"
+        calls.assert_each_within_bound()
+        assert_as_accurate_as(got, baseline, exact)
+        monkeypatch.undo()
 
 
 def test_experts_weigh_less_and_index_to_quantized_weights():
