@@ -40,19 +40,21 @@ def _check(x, qt, bias, backend) -> None:
 
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            backend: str = "auto", activation: Optional[str] = None) -> torch.Tensor:
-    """``y = x @ dequantize(qt, x.dtype)^T + bias`` with the weight decoded on the fly.
+    """The quantized linear, weight decoded on the fly (SPEC 8.1): weight-only,
+    ``y[m, n] = sum_g s[n, g] * (sum_{j in g} x[m, j] * decode(q[n, j])) + bias[n]`` in fp32, one rounding
+    to ``x``'s dtype; within SPEC 8.2's bound of the fp64 ``x @ dequantize(qt, fp64)^T + bias``.
 
     Args:
         x: fp32 / fp16 / bf16 activations ``(..., in_features)``, any strides.
         qt: the quantized weight, ``qt.shape == (out_features, in_features)``, row grouping or 2-D
             blocks; any element format, fp32 or E8M0 scales, or NVFP4. Codes and scales of any strides, as
             ``dequantize`` takes them (non-contiguous ones are copied once per call).
-        bias: optional ``(out_features,)`` tensor; added in fp32 before the one rounding to ``x``'s dtype
-            (fused kernel) or by the matmul (panels, other devices).
+        bias: optional ``(out_features,)`` tensor, rounded to ``x``'s dtype and added in fp32 before the one
+            rounding.
         backend: ``"auto"`` (the compiled op for the tensors' device: the fused CPU kernel, or on CUDA the
             GEMV up to ``GEMV_MAX_ROWS`` rows of ``x`` and panels of decoded rows + cuBLAS beyond),
-            ``"cpu"``, ``"cuda"`` or ``"torch"`` (dequantize with the torch reference + ``F.linear``, in panels
-            on CUDA).
+            ``"cpu"``, ``"cuda"`` or ``"torch"`` (SPEC 8.1's formula in torch: a batched fp32 matmul per group,
+            times the scales, summed over groups).
         activation: ``None`` (weight-only, the default) or ``"e4m3"`` (W8A8, opt-in: it changes the numerics):
             ``x`` is quantized per token to e4m3 with fp32 scales in groups of 128, and multiplied by an e4m3
             weight with fp32 scales in groups of 128 or (128, 128) blocks through ``torch._scaled_mm``'s
