@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ds_fpquant.cli.bench import generate as bench_generate
 from ds_fpquant.cli.bench import linear as bench_linear
 from ds_fpquant.cli.common import make_timer, report
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES
@@ -170,19 +171,25 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=float, nargs="+", help="input sizes in MiB of bf16")
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(DEFAULT_FORMATS))
     parser.add_argument("--group-sizes", type=int, nargs="+", help="group sizes G")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per case (median reported)")
+    parser.add_argument("--repeat", type=int, help="timed runs per case, median reported (default 7; --generate: "
+                        f"{bench_generate.DEFAULT_REPEAT})")
     parser.add_argument("--json", metavar="PATH", help="also write the results and environment as JSON")
     bench_linear.add_arguments(parser)
+    bench_generate.add_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.repeat < 1:
+    if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.linear and args.generate:
+        parser.error("--linear and --generate are two benches: give one")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: the folder does not exist")
     if args.linear:
         return bench_linear.main(args, parser)
+    if args.generate:
+        return bench_generate.main(args, parser)
     sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else DEFAULT_SIZES_MIB)
     groups = args.group_sizes or (QUICK_GROUPS if args.quick else DEFAULT_GROUPS)
     min_mib = 2 * ROW / MIB  # one row of bf16
@@ -191,6 +198,6 @@ def main(argv=None) -> int:
         parser.error(f"--sizes {bad_sizes}: each size must be between {min_mib:g} and {MAX_MIB} MiB")
     if any(g < 1 for g in groups):
         parser.error(f"--group-sizes {list(groups)}: group sizes must be >= 1")
-    results = run(device, sizes, args.formats, groups, repeat=args.repeat)
+    results = run(device, sizes, args.formats, groups, repeat=args.repeat or 7)
     report(environment(device), format_table(results), results, args.json)
     return 0
