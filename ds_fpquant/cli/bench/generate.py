@@ -69,7 +69,7 @@ SEED = 0
 
 @dataclass
 class GenerateResult:
-    #: "bf16" | "ds_fpquant e4m3 g128" | "torch int8pack" | "torch int4pack g128" | "torchao int8 weight-only"
+    #: "bf16" | "ds_fpquant e4m3 g128" | "torch int8pack" | "torch int4pack g128" | "torchao 0.18.0 int8 weight-only"
     row: str
     fmt: str  # the --generate-formats name of the row
     batch: int
@@ -146,11 +146,12 @@ def convert(model: torch.nn.Module, row: str, names: Sequence[str]) -> str:
             setattr(owner, child, peers.PeerLinear(getattr(owner, child), row))
         return "torch int8pack" if row == "int8pack" else f"torch int4pack g{peers.INT4_GROUP}"
     if row == "torchao-int8":
+        import torchao
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         wanted = set(names)
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in wanted)
-        return "torchao int8 weight-only"
+        return f"torchao {torchao.__version__} int8 weight-only"
     from ds_fpquant.integration.inference import apply
     from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
@@ -319,7 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
-    from ds_fpquant.cli.bench.linear import cpu_name
+    from ds_fpquant.cli.bench.linear import cpu_name, load_average
     from ds_fpquant.cli.common import report
 
     if args.device != "cpu":
@@ -357,7 +358,7 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     results, skipped, info = run(rows, spec, batches, prompt, new, repeat)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(),
            **{f"llama_{k}": v for k, v in spec.items()}, **info, "prompt_tokens": prompt, "new_tokens": new,
-           "repeat": repeat}
+           "repeat": repeat, "load_average": load_average()}
     if skipped:
         env["skipped"] = skipped
     print(describe(spec, info, prompt, new))

@@ -119,6 +119,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> Optional[str]:
+    """The 1/5/15-minute load averages when the run ends (a shared machine's other work shows here)."""
+    try:
+        return " / ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return None
+
+
 def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Size of the largest CPU cache (sysfs ``index*/size``), else :data:`FALLBACK_LLC_MIB`. Entries that are
     not caches (``uevent``) or cannot be read are skipped, each on its own."""
@@ -371,6 +379,6 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     read = results[0]
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "llc_mib": llc / MIB,
            "llc_multiple": args.llc_multiple, "read_gbps": round(read.model_gbps, 2),
-           "read_mib": read.weight_bytes / MIB}
+           "read_mib": read.weight_bytes / MIB, "load_average": load_average()}
     report(env, format_table(results) + "\n\n" + format_summary(results), results, args.json)
     return 0

@@ -1,9 +1,10 @@
 """The torch weight-only kernels a CPU user gets from torchao today, built here without torchao.
 
-* ``int8pack``: torchao's ``Int8WeightOnlyConfig`` runs ``torch.ops.aten._weight_int8pack_mm(x, w, scales)`` on
-  the CPU: ``w`` int8 ``(N, K)``, symmetric, one scale per output channel, ``scales`` ``(N,)`` in ``x``'s dtype;
+* ``int8pack``: ``torch.ops.aten._weight_int8pack_mm(x, w, scales)``, the CPU kernel of torchao's int8
+  weight-only layout before its version-2 tensors (torchao 0.18's ``Int8WeightOnlyConfig`` converts the int8
+  weight to ``x``'s dtype and calls ``mm`` instead; ``bench --generate`` has a row of its own for it): ``w`` int8 ``(N, K)``, symmetric, one scale per output channel, ``scales`` ``(N,)`` in ``x``'s dtype;
   ``y = x @ (w * scales[:, None])^T``.
-* ``int4pack``: torchao's ``Int4WeightOnlyConfig`` with the CPU layout runs
+* ``int4pack``: torchao's CPU int4 weight-only tensor (``Int4OpaqueTensor``, G=128) runs
   ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros)`` on the weight that
   ``torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)`` packed from int32 codes ``q`` ``(N, K)``
   in ``0..15``. ``scales_and_zeros`` is ``(K / G, N, 2)`` in ``x``'s dtype, ``[..., 0]`` the scale and
@@ -30,8 +31,9 @@ __all__ = ["PeerWeight", "int8pack_weight", "int4pack_weight", "peer_linear", "c
 #: The group size of torchao's Int4WeightOnlyConfig (its default) and of the issue's table.
 INT4_GROUP = 128
 
-#: torchao's default ``inner_k_tiles`` (the CPU packing takes the argument; the layout it makes is the same).
-INT4_INNER_K_TILES = 8
+#: What torchao's CPU int4 tensor (``Int4OpaqueTensor``) passes: the CPU packing takes the argument and does not
+#: need it.
+INT4_INNER_K_TILES = 1
 
 
 @dataclass
