@@ -1,12 +1,13 @@
 """``ds-fpquant bench --linear``: the quantized linear layer against ``nn.Linear`` and torch's own weight-only
 kernels, all in one run.
 
-For each weight shape ``(N, K)``, token count ``M`` and format, bf16 activations ``(M, K)`` go through
-``nn.Linear`` in fp32 and in bf16, through the two torch peer kernels (:mod:`.peers`: int8 per output
-channel by ``_weight_int8pack_mm``, int4 G=128 by ``_weight_int4pack_mm_for_cpu``, quantized from the same
-random weights and checked against ``x @ dequant(W)^T`` before they are timed), through
-``F.linear(x, dequantize(W, bf16))`` (dequantize + matmul, what ``FPQuantizedLinear`` did before the fused op)
-and through :func:`ds_fpquant.linear.linear` (the fused op). Two settings:
+For each weight shape ``(N, K)``, token count ``M`` and format, activations ``x (M, K)`` go through
+``nn.Linear`` in fp32 (fp32 ``x``) and in bf16 (bf16 ``x``), through the two torch peer kernels (:mod:`.peers`:
+int8 per output channel by ``_weight_int8pack_mm``, int4 G=128 by ``_weight_int4pack_mm_for_cpu``, bf16 ``x``,
+quantized from the same random weights and checked against ``x @ dequant(W)^T`` before they are timed) and
+through :func:`ds_fpquant.linear.linear` (the fused op) with bf16 and with fp32 ``x`` (``x_dtypes``); with
+``with_dequantize`` also through ``F.linear(x, dequantize(W, bf16))`` (dequantize + matmul, what
+``FPQuantizedLinear`` did before the fused op). Two settings:
 
 * cache-resident: one layer called again and again (its weights stay in the last-level cache);
 * model-sized: a pass over ``L`` distinct layers whose bf16 weights add up to at least ``llc_multiple``
@@ -17,7 +18,12 @@ The streaming read bandwidth of this run is a float32 ``.sum()`` over a buffer o
 last-level cache; each model-sized row reports the GB/s of weight bytes it reads (codes + scales, or the
 bf16 / fp32 weight) and the share of that bandwidth. A ``copy_`` of one layer's bf16 weights (model-sized)
 is kept as the read + write figure. Ratios are ``bf16 nn.Linear ms / this ms`` within the same setting (above
-1: faster than bf16).
+1: faster than bf16); ``model_vs_fp32`` is the same against fp32 ``nn.Linear`` (the fp32-``x`` summary's).
+
+A case is timed ``repeat`` times after a warm-up call, the model-sized pass ``max(3, repeat // 2)`` times after a
+warm-up pass; a case whose warm-up call takes more than :data:`SLOW_CALL_MS` (the large-M rows, compute-bound
+and steady, most of a full run's time) is timed :data:`SLOW_REPEAT` times and its passes get no warm-up of their
+own (the resident calls just ran the same code).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import argparse
 import math
 import os
 import platform
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -50,8 +58,20 @@ DEFAULT_TOKENS = (1, 4, 16, 64, 256)
 DEFAULT_REPEAT = 7
 
 
-#: Table formats: element format or preset, "/BrxBc" for 2-D blocks.
-DEFAULT_FORMATS = ("e4m3", "e2m1", "nvfp4", "e4m3/128x128")
+#: Table formats: element format or preset, "/BrxBc" for 2-D blocks. ``mxfp4`` is the E8M0 row (e2m1, G=32,
+#: power-of-two scales).
+DEFAULT_FORMATS = ("e4m3", "e2m1", "mxfp4", "nvfp4", "e4m3/128x128")
+
+
+#: dtypes of ``x`` for the fused rows (``nn.Linear`` has one of each: bf16 and fp32; the peers take bf16).
+X_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+#: A case whose warm-up call takes longer (ms) is timed :data:`SLOW_REPEAT` times instead of ``repeat``.
+SLOW_CALL_MS = 50.0
+
+
+SLOW_REPEAT = 3
 
 
 #: The issue's figure for the development machine, used when sysfs does not say.
@@ -105,6 +125,10 @@ class LinearResult:
     of_read_bw: Optional[float] = None
     #: the peer rows: max |y - x @ dequant(W)^T| as a share of the bound of peers.check_peer (<= 1 to be timed)
     peer_check: Optional[float] = None
+    #: dtype of x: "bf16" | "fp32" ("-": the read-bandwidth and copy rows)
+    x: str = "bf16"
+    #: fp32 nn.Linear's model-sized ms / this one's (the fp32-x summary's ratio)
+    model_vs_fp32: Optional[float] = None
 
 
 def cpu_name() -> str:
@@ -117,6 +141,14 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_cores() -> int:
+    """CPUs this process may run on (its affinity; ``os.cpu_count()`` where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def load_average() -> Optional[str]:
@@ -166,6 +198,29 @@ def read_bandwidth(nbytes: int, repeat: int) -> Tuple[float, float]:
     return ms, buf.numel() * 4 / ms / 1e6
 
 
+def _times_ms(fn: Callable[[], object], n: int) -> List[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def time_case(call: Callable, layer_set: Sequence, repeat: int) -> Tuple[float, float]:
+    """``(resident ms, model-sized ms per layer)`` of ``call`` on ``layer_set[0]`` again and again and on a pass over
+    ``layer_set``; the repeats as the module doc says."""
+    first = _times_ms(lambda: call(layer_set[0]), 1)[0]  # the warm-up
+    slow = first > SLOW_CALL_MS
+    reps = min(repeat, SLOW_REPEAT) if slow else repeat
+    resident = statistics.median(_times_ms(lambda: call(layer_set[0]), reps))
+    passes = min(reps, max(SLOW_REPEAT, repeat // 2))
+    pass_fn = lambda: [call(w) for w in layer_set]  # noqa: E731
+    if not slow:
+        pass_fn()
+    return resident, statistics.median(_times_ms(pass_fn, passes)) / len(layer_set)
+
+
 def _peer_weights(kind: str, masters: Sequence[torch.Tensor]) -> Optional[List[peers.PeerWeight]]:
     make = peers.int8pack_weight if kind == "int8pack" else peers.int4pack_weight
     try:  # the first layer keeps its fp64 weight for the check before timing
@@ -176,8 +231,10 @@ def _peer_weights(kind: str, masters: Sequence[torch.Tensor]) -> Optional[List[p
 
 def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Sequence[str], repeat: int = 5,
         llc: Optional[int] = None, progress: bool = True, llc_multiple: float = DEFAULT_LLC_MULTIPLE,
-        read_bytes: Optional[int] = None, with_peers: bool = True) -> List[LinearResult]:
-    """The rows of the bench (the read-bandwidth row first); see the module doc.
+        read_bytes: Optional[int] = None, with_peers: bool = True, x_dtypes: Sequence[str] = tuple(X_DTYPES),
+        with_dequantize: bool = False) -> List[LinearResult]:
+    """The rows of the bench (the read-bandwidth row first); see the module doc. ``x_dtypes``: the dtypes of ``x``
+    the fused rows run with (``"bf16"``, ``"fp32"``).
 
     Raises:
         RuntimeError: a peer kernel's output is not ``x @ dequant(W)^T`` for its own quantization.
@@ -187,17 +244,19 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
         read_bytes = min(max(READ_LLC_MULTIPLE * llc, MIN_READ_MIB * MIB), MAX_READ_MIB * MIB)
     read_ms, read_gbps = read_bandwidth(read_bytes, repeat)
     results: List[LinearResult] = [LinearResult(0, 0, 0, READ_IMPL, "-", 1, None, read_ms, label=READ_IMPL,
-                                                weight_bytes=read_bytes, model_gbps=read_gbps, of_read_bw=1.0)]
+                                                weight_bytes=read_bytes, model_gbps=read_gbps, of_read_bw=1.0, x="-")]
     torch.manual_seed(0)
     with torch.no_grad():
         for n, k in shapes:
             layers = max(1, math.ceil(llc_multiple * llc / (2 * n * k)))
             masters = [torch.randn(n, k) * 0.02 for _ in range(layers)]
-            weights: Dict[str, list] = {"nn.Linear fp32": masters, "nn.Linear bf16": [w.bfloat16() for w in masters]}
-            nbytes: Dict[Tuple[str, str], int] = {("nn.Linear fp32", "-"): 4 * n * k, ("nn.Linear bf16", "-"): 2 * n * k}
-            labels: Dict[Tuple[str, str], str] = {("nn.Linear fp32", "-"): "fp32 F.linear",
-                                                  ("nn.Linear bf16", "-"): "bf16 F.linear"}
-            peer_sets: Dict[Tuple[str, str], List[peers.PeerWeight]] = {}  # (impl, fmt) -> one per layer
+            bf16_weights = [w.bfloat16() for w in masters]
+            # (impl, fmt, x) -> bytes of weight one call reads, summary column name
+            nbytes: Dict[Tuple[str, str, str], int] = {("nn.Linear fp32", "-", "fp32"): 4 * n * k,
+                                                       ("nn.Linear bf16", "-", "bf16"): 2 * n * k}
+            labels: Dict[Tuple[str, str, str], str] = {("nn.Linear fp32", "-", "fp32"): "fp32 F.linear",
+                                                       ("nn.Linear bf16", "-", "bf16"): "bf16 F.linear"}
+            peer_sets: Dict[Tuple[str, str, str], List[peers.PeerWeight]] = {}  # one per layer
             if with_peers:
                 for kind in ("int8pack", "int4pack"):
                     made = _peer_weights(kind, masters)
@@ -206,53 +265,62 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
                             print(f"bench --linear: {n}x{k}: no {PEER_IMPLS[kind]} row (K a multiple of "
                                   f"{peers.INT4_GROUP} and N of 16 needed)", flush=True)
                         continue
-                    key = (PEER_IMPLS[kind], "int8 per channel" if kind == "int8pack" else f"int4 g{peers.INT4_GROUP}")
+                    key = (PEER_IMPLS[kind], "int8 per channel" if kind == "int8pack" else f"int4 g{peers.INT4_GROUP}",
+                           "bf16")
                     peer_sets[key] = made
                     nbytes[key] = made[0].nbytes
                     labels[key] = "torch int8pack" if kind == "int8pack" else f"torch int4pack g{peers.INT4_GROUP}"
             quantized = {fmt: [_quantize(w, fmt) for w in masters] for fmt in formats}
             for fmt, qts in quantized.items():
-                nbytes[("fused", fmt)] = nbytes[("dequantize + matmul", fmt)] = qts[0].nbytes
-                labels[("fused", fmt)] = f"ds_fpquant {scheme_label(qts[0])}"
-                labels[("dequantize + matmul", fmt)] = f"dequantize + matmul {scheme_label(qts[0])}"
-            copy_src, copy_dst = weights["nn.Linear bf16"], [torch.empty_like(w) for w in weights["nn.Linear bf16"]]
-            copy_ms = median_ms(lambda: [d.copy_(s) for d, s in zip(copy_dst, copy_src)], repeat) / layers
+                scheme = scheme_label(qts[0])
+                for xd in x_dtypes:
+                    nbytes[("fused", fmt, xd)] = qts[0].nbytes
+                    labels[("fused", fmt, xd)] = f"ds_fpquant {scheme}" + ("" if xd == "bf16" else f" ({xd} x)")
+                if with_dequantize:
+                    nbytes[("dequantize + matmul", fmt, "bf16")] = qts[0].nbytes
+                    labels[("dequantize + matmul", fmt, "bf16")] = f"dequantize + matmul {scheme}"
+            copy_dst = [torch.empty_like(w) for w in bf16_weights]
+            copy_ms = median_ms(lambda: [d.copy_(s) for d, s in zip(copy_dst, bf16_weights)], repeat) / layers
             copy_gbps = 2 * n * k / copy_ms / 1e6
             results.append(LinearResult(n, k, 0, COPY_IMPL, "-", layers, None, copy_ms, label=COPY_IMPL,
-                                        weight_bytes=2 * n * k, model_gbps=copy_gbps, of_read_bw=copy_gbps / read_gbps))
-            copy_dst = None  # freed before the layers are quantized
+                                        weight_bytes=2 * n * k, model_gbps=copy_gbps, of_read_bw=copy_gbps / read_gbps,
+                                        x="-"))
+            copy_dst = None  # freed before the layers are timed
             for m in tokens:
                 if progress:
                     print(f"bench --linear: {n}x{k}, M={m}, {layers} layers", flush=True)
                 x = torch.randn(m, k).bfloat16()
-                x32 = x.float()
-                calls: List[Tuple[str, str, Callable, list]] = [
-                    ("nn.Linear fp32", "-", lambda w: F.linear(x32, w), weights["nn.Linear fp32"]),
-                    ("nn.Linear bf16", "-", lambda w: F.linear(x, w), weights["nn.Linear bf16"]),
+                xs = {name: x.to(dtype) for name, dtype in X_DTYPES.items()}
+                calls: List[Tuple[Tuple[str, str, str], Callable, list]] = [
+                    (("nn.Linear fp32", "-", "fp32"), lambda w: F.linear(xs["fp32"], w), masters),
+                    (("nn.Linear bf16", "-", "bf16"), lambda w: F.linear(x, w), bf16_weights),
                 ]
-                checks: Dict[Tuple[str, str], float] = {}
-                for (impl, fmt), made in peer_sets.items():  # checked before it is timed
-                    checks[(impl, fmt)] = peers.check_peer(x, made[0])
-                    if not checks[(impl, fmt)] <= 1:
-                        raise RuntimeError(f"{impl} ({n}x{k}, M={m}) is not x @ dequant(W)^T: error "
-                                           f"{checks[(impl, fmt)]:.3g} times the bound")
-                    calls.append((impl, fmt, lambda p: peers.peer_linear(x, p), made))
+                checks: Dict[Tuple[str, str, str], float] = {}
+                for key, made in peer_sets.items():  # checked before it is timed
+                    checks[key] = peers.check_peer(x, made[0])
+                    if not checks[key] <= 1:
+                        raise RuntimeError(f"{key[0]} ({n}x{k}, M={m}) is not x @ dequant(W)^T: error "
+                                           f"{checks[key]:.3g} times the bound")
+                    calls.append((key, lambda p: peers.peer_linear(x, p), made))
                 for fmt in formats:
-                    calls.append(("dequantize + matmul", fmt, lambda qt: F.linear(x, dequantize(qt, torch.bfloat16)),
-                                  quantized[fmt]))
-                    calls.append(("fused", fmt, lambda qt: linear(x, qt), quantized[fmt]))
+                    if with_dequantize:
+                        calls.append((("dequantize + matmul", fmt, "bf16"),
+                                      lambda qt: F.linear(x, dequantize(qt, torch.bfloat16)), quantized[fmt]))
+                    for xd in x_dtypes:
+                        calls.append((("fused", fmt, xd), lambda qt, xx=xs[xd]: linear(xx, qt), quantized[fmt]))
                 rows = []
-                for impl, fmt, call, layer_set in calls:
-                    resident = median_ms(lambda: call(layer_set[0]), repeat)
-                    model = median_ms(lambda: [call(w) for w in layer_set], max(3, repeat // 2)) / layers
-                    gbps = nbytes[(impl, fmt)] / model / 1e6
-                    rows.append(LinearResult(n, k, m, impl, fmt, layers, resident, model, label=labels[(impl, fmt)],
-                                             weight_bytes=nbytes[(impl, fmt)], model_gbps=gbps,
-                                             of_read_bw=gbps / read_gbps, peer_check=checks.get((impl, fmt))))
+                for key, call, layer_set in calls:
+                    resident, model = time_case(call, layer_set, repeat)
+                    gbps = nbytes[key] / model / 1e6
+                    rows.append(LinearResult(n, k, m, key[0], key[1], layers, resident, model, label=labels[key],
+                                             weight_bytes=nbytes[key], model_gbps=gbps, of_read_bw=gbps / read_gbps,
+                                             peer_check=checks.get(key), x=key[2]))
                 base = next(r for r in rows if r.impl == "nn.Linear bf16")
+                base32 = next(r for r in rows if r.impl == "nn.Linear fp32")
                 for r in rows:
                     r.resident_vs_bf16 = base.resident_ms / r.resident_ms
                     r.model_vs_bf16 = base.model_ms / r.model_ms
+                    r.model_vs_fp32 = base32.model_ms / r.model_ms
                 results += rows
             for made in peer_sets.values():
                 made[0].dequantized = None
@@ -269,9 +337,9 @@ def _pct(v: Optional[float]) -> str:
 
 def format_table(results: Sequence[LinearResult]) -> str:
     """Every row: resident and model-sized ms with their ratios to bf16, and the model-sized GB/s of weights read."""
-    lines = ["| N x K | M | impl | fmt | resident ms | vs bf16 | model-sized ms (per layer) | vs bf16 | weight MiB | "
+    lines = ["| N x K | M | impl | fmt | x | resident ms | vs bf16 | model-sized ms (per layer) | vs bf16 | weight MiB | "
              "GB/s | of read bw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         resident = "-" if r.resident_ms is None else f"{r.resident_ms:.3f}"
         m = "-" if r.m == 0 else str(r.m)
@@ -279,48 +347,59 @@ def format_table(results: Sequence[LinearResult]) -> str:
         mib = "-" if r.weight_bytes is None else f"{r.weight_bytes / MIB:.2f}"
         gbps = "-" if r.model_gbps is None else f"{r.model_gbps:.1f}"
         layers = "" if r.impl == READ_IMPL else f" ({r.layers} layers)"
-        lines.append(f"| {shape} | {m} | {r.impl} | {r.fmt} | {resident} | {_x(r.resident_vs_bf16)} | "
+        lines.append(f"| {shape} | {m} | {r.impl} | {r.fmt} | {r.x} | {resident} | {_x(r.resident_vs_bf16)} | "
                      f"{r.model_ms:.3f}{layers} | {_x(r.model_vs_bf16)} | {mib} | {gbps} | {_pct(r.of_read_bw)} |")
     return "\n".join(lines)
 
 
-#: The summary's columns: bf16, the peers, then the fused rows (fp32 and dequantize + matmul: the full table).
+#: The summary's columns: bf16, the peers, then the fused rows (dequantize + matmul: the full table only).
 SUMMARY_IMPLS = ("nn.Linear bf16", "torch int8pack", "torch int4pack", "fused")
 
 
+def _grid(rows: Sequence[LinearResult], columns: Sequence[str], text: Callable[[LinearResult], str]) -> List[str]:
+    cell = {(r.m, r.label): r for r in rows}
+    out = []
+    for m in dict.fromkeys(r.m for r in rows):
+        out.append(f"| {m} | " + " | ".join(text(cell[m, c]) if (m, c) in cell else "-" for c in columns) + " |")
+    return out
+
+
 def format_summary(results: Sequence[LinearResult]) -> str:
-    """Per weight shape, the issue's two model-sized tables: ms per layer with the ratio to bf16 ``F.linear`` in
-    brackets, and the GB/s of weight bytes read with the share of the run's read bandwidth."""
+    """Per weight shape, the issue's two model-sized tables for bf16 ``x``: ms per layer with the ratio to bf16
+    ``F.linear`` in brackets, and the GB/s of weight bytes read with the share of the run's read bandwidth; then,
+    where the run has fused rows with fp32 ``x``, their ms with the ratio to fp32 ``F.linear``."""
     read = next((r for r in results if r.impl == READ_IMPL), None)
     out = []
     for n, k in dict.fromkeys((r.n, r.k) for r in results if r.m):
-        rows = [r for r in results if (r.n, r.k) == (n, k) and r.m and r.impl in SUMMARY_IMPLS]
+        shape_rows = [r for r in results if (r.n, r.k) == (n, k) and r.m]
+        rows = [r for r in shape_rows if r.impl in SUMMARY_IMPLS and r.x == "bf16"]
         columns = list(dict.fromkeys(r.label for r in rows))
-        cell = {(r.m, r.label): r for r in rows}
-        tokens = list(dict.fromkeys(r.m for r in rows))
-        layers = rows[0].layers
+        layers = shape_rows[0].layers
         bf16_mib = 2 * n * k * layers / MIB
-        out.append(f"{n}x{k}, model-sized: {layers} distinct layers per pass ({bf16_mib:.0f} MiB of bf16 weights); "
-                   "ms per layer (ratio to bf16 F.linear)")
+        out.append(f"{n}x{k}, bf16 x, model-sized: {layers} distinct layers per pass ({bf16_mib:.0f} MiB of bf16 "
+                   "weights); ms per layer (ratio to bf16 F.linear)")
         out.append("| M | " + " | ".join(columns) + " |")
         out.append("|---|" + "---|" * len(columns))
-        for m in tokens:
-            out.append(f"| {m} | " + " | ".join(
-                f"{cell[m, c].model_ms:.3f} ({_x(cell[m, c].model_vs_bf16)})" if (m, c) in cell else "-"
-                for c in columns) + " |")
+        out += _grid(rows, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_bf16)})")
         read_text = "" if read is None else (f": {read.model_gbps:.1f} GB/s, fp32 sum over "
                                              f"{read.weight_bytes / MIB:.0f} MiB")
         out.append("")
-        out.append(f"{n}x{k}, GB/s of weight bytes read (share of the read bandwidth{read_text}); weight MiB per "
-                   "layer in the header")
+        out.append(f"{n}x{k}, bf16 x, GB/s of weight bytes read (share of the read bandwidth{read_text}); weight MiB "
+                   "per layer in the header")
         mib = {r.label: r.weight_bytes / MIB for r in rows}
         out.append("| M | " + " | ".join(f"{c} ({mib[c]:.2f} MiB)" for c in columns) + " |")
         out.append("|---|" + "---|" * len(columns))
-        for m in tokens:
-            out.append(f"| {m} | " + " | ".join(
-                f"{cell[m, c].model_gbps:.1f} ({_pct(cell[m, c].of_read_bw)})" if (m, c) in cell else "-"
-                for c in columns) + " |")
+        out += _grid(rows, columns, lambda r: f"{r.model_gbps:.1f} ({_pct(r.of_read_bw)})")
         out.append("")
+        rows32 = [r for r in shape_rows if r.x == "fp32" and r.impl in ("nn.Linear fp32", "fused")]
+        if any(r.impl == "fused" for r in rows32):
+            columns = list(dict.fromkeys(r.label for r in rows32))
+            out.append(f"{n}x{k}, fp32 x, model-sized as above; ms per layer (ratio to fp32 F.linear, the fp32 "
+                       "weight)")
+            out.append("| M | " + " | ".join(columns) + " |")
+            out.append("|---|" + "---|" * len(columns))
+            out += _grid(rows32, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_fp32)})")
+            out.append("")
     return "\n".join(out).rstrip("\n")
 
 
@@ -341,7 +420,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "11008x4096)")
     group.add_argument("--tokens", type=int, nargs="+", metavar="M", help="rows of x (default 1 4 16 64 256)")
     group.add_argument("--linear-formats", nargs="+", metavar="FMT",
-                       help="formats, presets or e.g. e4m3/128x128 (default e4m3 e2m1 nvfp4 e4m3/128x128)")
+                       help=f"formats, presets or e.g. e4m3/128x128 (default {' '.join(DEFAULT_FORMATS)})")
+    group.add_argument("--x-dtypes", nargs="+", choices=list(X_DTYPES), metavar="DTYPE",
+                       help="dtypes of x for the fused rows (default bf16 fp32)")
     group.add_argument("--llc-mib", type=float, help="last-level cache size for the model-sized pass (default: sysfs)")
     group.add_argument("--llc-multiple", type=float, default=DEFAULT_LLC_MULTIPLE,
                        help="bf16 weights of the model-sized pass in last-level caches (default "
@@ -349,6 +430,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--read-mib", type=float, help="buffer of the read-bandwidth sum (default "
                        f"{READ_LLC_MULTIPLE}x the last-level cache, {MIN_READ_MIB} to {MAX_READ_MIB} MiB)")
     group.add_argument("--no-peers", action="store_true", help="leave out the torch int8pack / int4pack rows")
+    group.add_argument("--with-dequantize", action="store_true",
+                       help="add the dequantize + matmul rows (F.linear(x, dequantize(W, bf16)), bf16 x)")
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
@@ -374,11 +457,18 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     llc = llc or llc_bytes()
     read_bytes = None if args.read_mib is None else int(args.read_mib * MIB)
     repeat = args.repeat or DEFAULT_REPEAT
+    x_dtypes = list(dict.fromkeys(args.x_dtypes or X_DTYPES))
+    t0 = time.perf_counter()
     results = run(shapes, tokens, formats, repeat=repeat, llc=llc, llc_multiple=args.llc_multiple,
-                  read_bytes=read_bytes, with_peers=not args.no_peers)
+                  read_bytes=read_bytes, with_peers=not args.no_peers, x_dtypes=x_dtypes,
+                  with_dequantize=args.with_dequantize)
     read = results[0]
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "llc_mib": llc / MIB,
-           "llc_multiple": args.llc_multiple, "read_gbps": round(read.model_gbps, 2),
-           "read_mib": read.weight_bytes / MIB, "load_average": load_average()}
-    report(env, format_table(results) + "\n\n" + format_summary(results), results, args.json)
+    machine_llc = llc_bytes() / MIB
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "cores": cpu_cores(),
+           "machine_llc_mib": machine_llc, "llc_mib": llc / MIB, "llc_multiple": args.llc_multiple, "read_gbps": round(read.model_gbps, 2),
+           "read_mib": read.weight_bytes / MIB, "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1),
+           "load_average": load_average()}
+    report(env, format_summary(results) + "\n\nEvery row:\n\n" + format_table(results), results, args.json,
+           getattr(args, "results", None), f"ds-fpquant bench --linear, {cpu_name()}, {cpu_cores()} cores, "
+           f"{machine_llc:g} MiB last-level cache", getattr(args, "command_line", None))
     return 0

@@ -52,17 +52,19 @@ def test_selective_dequantize_benchmark_script():
 
 
 def test_bench_linear_quick_rows(tmp_path):
-    """``ds-fpquant bench --linear --quick``: every impl row of every format, resident and model-sized, the read
-    bandwidth, the two torch peers (checked against ``x @ dequant(W)^T`` before timing), GB/s of every weight row,
-    the issue's summary tables and the JSON fields."""
+    """``ds-fpquant bench --linear --quick``: every impl row of every format (fused with bf16 and fp32 x), resident
+    and model-sized, the read bandwidth, the two torch peers (checked against ``x @ dequant(W)^T`` before timing),
+    GB/s of every weight row, the issue's summary tables, the JSON fields and the ``--results`` file pair."""
     path = tmp_path / "linear.json"
-    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--quick", "--repeat", "1",
-                          "--tokens", "1", "9", "--linear-formats", "e4m3", "nvfp4", "--json", str(path)],
-                         capture_output=True, text=True, timeout=600)
+    stem = tmp_path / "results" / "linear_quick"
+    args = [sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--quick", "--repeat", "1", "--tokens", "1", "9",
+            "--linear-formats", "e4m3", "nvfp4", "--with-dequantize", "--json", str(path), "--results", str(stem)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for impl in ("nn.Linear fp32 | -", "nn.Linear bf16 | -", "torch int8pack | int8 per channel",
-                 "torch int4pack | int4 g128", "dequantize + matmul | e4m3", "fused | e4m3",
-                 "dequantize + matmul | nvfp4", "fused | nvfp4"):
+    for impl in ("nn.Linear fp32 | - | fp32", "nn.Linear bf16 | - | bf16", "torch int8pack | int8 per channel | bf16",
+                 "torch int4pack | int4 g128 | bf16", "dequantize + matmul | e4m3 | bf16", "fused | e4m3 | bf16",
+                 "fused | e4m3 | fp32", "dequantize + matmul | nvfp4 | bf16", "fused | nvfp4 | bf16",
+                 "fused | nvfp4 | fp32"):
         for m in (1, 9):
             assert f"| 512x512 | {m} | {impl} |" in run.stdout, run.stdout
     assert "| 512x512 | - | copy_ bf16 weights |" in run.stdout
@@ -70,22 +72,38 @@ def test_bench_linear_quick_rows(tmp_path):
     assert ("| M | bf16 F.linear | torch int8pack | torch int4pack g128 | ds_fpquant e4m3 g128 | "
             "ds_fpquant nvfp4 g16 |") in run.stdout
     assert "| M | bf16 F.linear (0.50 MiB) | torch int8pack (0.25 MiB) | torch int4pack g128 (0.13 MiB) |" in run.stdout
+    assert "| M | fp32 F.linear | ds_fpquant e4m3 g128 (fp32 x) | ds_fpquant nvfp4 g16 (fp32 x) |" in run.stdout
     data = json.loads(path.read_text())
     env, rows = data["environment"], data["results"]
     assert env["read_gbps"] > 0 and env["read_mib"] >= 64 and env["llc_multiple"] == 8 and env["cpu"]
+    assert env["cores"] >= 1 and env["machine_llc_mib"] > 0 and env["llc_mib"] == 1 and env["run_s"] > 0
     read = rows[0]
     assert read["impl"] == "read bandwidth (fp32 sum)" and read["of_read_bw"] == 1.0
-    by_key = {(r["m"], r["impl"], r["fmt"]): r for r in rows}
+    by_key = {(r["m"], r["impl"], r["fmt"], r["x"]): r for r in rows}
+    assert len(by_key) == len(rows)
     for m in (1, 9):
         for key in (("torch int8pack", "int8 per channel"), ("torch int4pack", "int4 g128")):
-            row = by_key[(m, *key)]
+            row = by_key[(m, *key, "bf16")]
             assert 0 <= row["peer_check"] <= 1 and row["model_gbps"] > 0 and row["of_read_bw"] > 0
-        fused = by_key[(m, "fused", "e4m3")]
+        fused = by_key[(m, "fused", "e4m3", "bf16")]
         assert fused["label"] == "ds_fpquant e4m3 g128" and fused["peer_check"] is None
         assert fused["weight_bytes"] == 512 * 512 + 512 * 4 * 4  # codes + fp32 scales, G=128
-        assert by_key[(m, "torch int8pack", "int8 per channel")]["weight_bytes"] == 512 * 512 + 512 * 2
-        assert by_key[(m, "torch int4pack", "int4 g128")]["weight_bytes"] == 512 * 256 + 4 * 512 * 2 * 2
+        assert by_key[(m, "torch int8pack", "int8 per channel", "bf16")]["weight_bytes"] == 512 * 512 + 512 * 2
+        assert by_key[(m, "torch int4pack", "int4 g128", "bf16")]["weight_bytes"] == 512 * 256 + 4 * 512 * 2 * 2
         assert abs(fused["model_gbps"] - fused["weight_bytes"] / fused["model_ms"] / 1e6) < 1e-9
+        fused32 = by_key[(m, "fused", "e4m3", "fp32")]
+        assert fused32["label"] == "ds_fpquant e4m3 g128 (fp32 x)"
+        base32 = by_key[(m, "nn.Linear fp32", "-", "fp32")]
+        assert abs(fused32["model_vs_fp32"] - base32["model_ms"] / fused32["model_ms"]) < 1e-9
+    md = (tmp_path / "results" / "linear_quick.md").read_text()
+    saved = json.loads((tmp_path / "results" / "linear_quick.json").read_text())
+    assert md.startswith("# ds-fpquant bench --linear, ") and "--linear-formats e4m3 nvfp4" in md
+    assert "| M | bf16 F.linear | torch int8pack |" in md and "| 512x512 | 9 | fused | nvfp4 | fp32 |" in md
+    assert f"- cores: {env['cores']}" in md and "MiB last-level cache" in md.splitlines()[0]
+    assert saved["command"].startswith("ds-fpquant bench --linear") and saved["date"]
+    assert saved["environment"]["cpu"] == env["cpu"] and len(saved["results"]) == len(rows)
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "already exist" in again.stderr
     bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--linear-formats", "fp8"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "fmt='fp8' is not supported" in bad.stderr
@@ -94,16 +112,32 @@ def test_bench_linear_quick_rows(tmp_path):
     assert bad.returncode == 2 and "--llc-multiple must be > 0" in bad.stderr
 
 
+def test_results_paths():
+    """``--results NAME`` lands in benchmarks/results/ of the folder the command runs in; a name with a folder is
+    used as given; a .md / .json ending is not doubled."""
+    import os
+
+    from ds_fpquant.cli.common import results_paths
+
+    assert results_paths("linear_cpu") == (os.path.join("benchmarks", "results", "linear_cpu.md"),
+                                          os.path.join("benchmarks", "results", "linear_cpu.json"))
+    assert results_paths("out/run.md") == ("out/run.md", "out/run.json")
+    assert results_paths("/tmp/a.json") == ("/tmp/a.md", "/tmp/a.json")
+
+
 def test_bench_linear_without_peers_and_odd_shapes():
     """``run`` straight: ``with_peers=False`` leaves both peers out; a shape int4pack cannot pack (K not a multiple
     of 128) keeps the int8 peer and says why the int4 one is missing; the summary has one column per row kind."""
     from ds_fpquant.cli.bench import linear as bench_linear
 
-    rows = bench_linear.run([(64, 96)], [2], ["e2m1"], repeat=1, llc=2**16, progress=False, read_bytes=2**20)
+    rows = bench_linear.run([(64, 96)], [2], ["e2m1"], repeat=1, llc=2**16, progress=False, read_bytes=2**20,
+                            x_dtypes=["bf16"])
     impls = [r.impl for r in rows if r.m]
     assert "torch int8pack" in impls and "torch int4pack" not in impls and "fused" in impls
+    assert "dequantize + matmul" not in impls and not any(r.x == "fp32" and r.impl == "fused" for r in rows)
     summary = bench_linear.format_summary(rows)
     assert "| M | bf16 F.linear | torch int8pack | ds_fpquant e2m1 g128 |" in summary
+    assert "fp32 x" not in summary  # no fused fp32-x rows: no fp32 table
     none = bench_linear.run([(64, 128)], [1], ["e4m3"], repeat=1, llc=2**16, progress=False, read_bytes=2**20,
                             with_peers=False)
     assert not any(r.impl.startswith("torch") for r in none)
