@@ -2,8 +2,8 @@
 
 A random Llama-architecture model (transformers ``LlamaConfig``, no download; by default about 1.1 B
 parameters: hidden 2048, 16 layers, intermediate 8192, 32 heads with 8 key/value heads, vocab 32000, untied
-``lm_head``) is built in bf16 from a fixed seed, once per row (the same weights every time: a fingerprint of
-them is compared), converted, timed and freed before the next row is built. Rows:
+``lm_head``) is built in bf16 from a fixed seed once; each row converts and times a copy of it, freed before the
+next row's copy is made (a fingerprint of the weights is compared with the build's). Rows:
 
 * ``bf16``: the model as built;
 * a ds_fpquant format or preset (``e4m3``, ``e2m1``, ``nvfp4``, or ``e4m3/128x128``): ``ds_fpquant.apply`` with
@@ -15,14 +15,16 @@ them is compared), converted, timed and freed before the next row is built. Rows
   torchao is importable (skipped otherwise, and said so).
 
 Each row runs ``generate`` greedily (``do_sample=False``, ``min_new_tokens = max_new_tokens``, so every model
-makes the same number of tokens) on the same random prompts, at each batch size: the median wall time of the
-full generation and of a 1-token generation (the prompt pass and the first token), from which the decode rate
-of the remaining tokens follows.
+makes the same number of tokens) on the same random prompts, at each batch size, after a 2-token warm-up on the
+first tokens of the prompts: the median wall time of the whole generation, and within the same generations the
+time to the first token (the prompt pass) and of the decode steps after it (a stopping criterion that never
+stops takes the time of each new token), from which the decode rate follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import re
 import statistics
@@ -58,8 +60,11 @@ DEFAULT_NEW = 32
 
 QUICK_TOKENS = 4
 
-#: Timed generations per case when ``--repeat`` is not given.
-DEFAULT_REPEAT = 3
+#: Timed generations per case when ``--repeat`` is not given (each gives the prompt pass and the decode rate too).
+DEFAULT_REPEAT = 2
+
+#: Prompt tokens of the warm-up generation (2 new tokens): the kernels run once, without a full prompt pass.
+WARMUP_PROMPT = 4
 
 #: Rows that are not ds_fpquant formats.
 OTHER_ROWS = ("bf16", "int8pack", "int4pack", "torchao-int8")
@@ -80,9 +85,9 @@ class GenerateResult:
     converted_linears: int  # how many linears the row converted (0 for bf16)
     convert_s: float  # seconds to convert the model (quantize its linears)
     generate_s: float  # median seconds of generate(new_tokens)
-    prefill_s: float  # median seconds of generate(1): the prompt pass and the first token
+    prefill_s: float  # median seconds from the call to the first new token (the prompt pass), same generations
     tokens_per_s: float  # batch * new_tokens / generate_s
-    decode_tokens_per_s: Optional[float]  # batch * (new_tokens - 1) / (generate_s - prefill_s)
+    decode_tokens_per_s: Optional[float]  # batch * (new_tokens - 1) / median seconds from the first to the last token
     vs_bf16: Optional[float] = None  # tokens_per_s / bf16's at the same batch
     decode_vs_bf16: Optional[float] = None
 
@@ -179,37 +184,50 @@ def unavailable(row: str, spec: Dict[str, int]) -> Optional[str]:
     return None
 
 
-def _median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class _TokenTimes:
+    """A stopping criterion that never stops: ``times`` gets ``time.perf_counter()`` each time ``generate`` has made
+    a token (the first after the prompt pass)."""
+
+    def __init__(self):
+        self.times: List[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeat: int,
-                  label: str) -> Tuple[float, float]:
-    """``(prefill_s, generate_s)``: median seconds of a greedy 1-token and ``new_tokens``-token ``generate`` of
-    ``ids`` (after a 2-token warm-up).
+                  label: str) -> Tuple[float, float, Optional[float]]:
+    """``(generate_s, prefill_s, decode_s)``: medians over ``repeat`` greedy ``new_tokens``-token generations of
+    ``ids`` (after a 2-token warm-up on the first :data:`WARMUP_PROMPT` tokens) of the whole call, of the time to
+    its first token, and of the time from the first token to the last (``None`` for one new token).
 
     Raises:
-        RuntimeError: an output is not ``ids`` plus exactly the asked number of tokens.
+        RuntimeError: an output is not ``ids`` plus exactly the asked number of tokens, or generate did not
+            report each token.
     """
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, StoppingCriteriaList
 
-    def generate(n):
+    def generate(prompt, n):
         config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                                   eos_token_id=2, bos_token_id=1)
+        clock = _TokenTimes()
+        t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        if out.shape != (ids.shape[0], ids.shape[1] + n) or not torch.equal(out[:, :ids.shape[1]], ids):
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config,
+                                 stopping_criteria=StoppingCriteriaList([clock]))
+        total = time.perf_counter() - t0
+        if out.shape != (prompt.shape[0], prompt.shape[1] + n) or not torch.equal(out[:, :prompt.shape[1]], prompt):
             raise RuntimeError(f"bench --generate: {label} made {tuple(out.shape)} from a prompt of "
-                               f"{tuple(ids.shape)} and {n} new tokens")
-        return out
+                               f"{tuple(prompt.shape)} and {n} new tokens")
+        if len(clock.times) != n:
+            raise RuntimeError(f"bench --generate: {label}: generate reported {len(clock.times)} of {n} tokens")
+        return total, clock.times[0] - t0, (clock.times[-1] - clock.times[0]) if n > 1 else None
 
-    generate(min(2, new_tokens))  # warm-up
-    return _median_s(lambda: generate(1), repeat), _median_s(lambda: generate(new_tokens), repeat)
+    generate(ids[:, :WARMUP_PROMPT], min(2, new_tokens))  # warm-up
+    runs = [generate(ids, new_tokens) for _ in range(repeat)]
+    decode = None if new_tokens == 1 else statistics.median(r[2] for r in runs)
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), decode
 
 
 def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[int] = DEFAULT_BATCHES,
@@ -219,34 +237,33 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
     could not run; the model's size.
 
     Raises:
-        RuntimeError: a rebuilt model's weights differ from the first build's, or a generation is not
+        RuntimeError: a row's copy of the model differs from the build, or a generation is not
             ``prompt_tokens + new_tokens`` long.
     """
     gen = torch.Generator().manual_seed(SEED + 1)
     prompts = torch.randint(3, spec["vocab_size"], (max(batches), prompt_tokens), generator=gen)
     skipped: Dict[str, str] = {}
     results: List[GenerateResult] = []
-    info: dict = {}
-    reference = None
     for row in rows:
         why = unavailable(row, spec)
         if why:
             skipped[row] = why
             if progress:
                 print(f"bench --generate: {row}: skipped: {why}", flush=True)
+    t0 = time.perf_counter()
+    base = build_model(spec)
+    reference = fingerprint(base)
+    names = target_linears(base)
+    info = {"parameters": sum(p.numel() for p in base.parameters()), "bf16_mib": round(module_bytes(base) / MIB, 2),
+            "linears_converted": len(names),
+            "linear_parameters": sum(base.get_submodule(n).weight.numel() for n in names),
+            "build_s": round(time.perf_counter() - t0, 1)}
+    for row in rows:
+        if row in skipped:
             continue
-        model = build_model(spec)
-        prints = fingerprint(model)
-        if reference is None:
-            reference = prints
-            params = sum(p.numel() for p in model.parameters())
-            names = target_linears(model)
-            info = {"parameters": params, "bf16_mib": round(module_bytes(model) / MIB, 2),
-                    "linears_converted": len(names),
-                    "linear_parameters": sum(model.get_submodule(n).weight.numel() for n in names)}
-        elif prints != reference:
-            raise RuntimeError(f"bench --generate: the model built for {row} differs from the first build")
-        names = target_linears(model)
+        model = copy.deepcopy(base)
+        if fingerprint(model) != reference:
+            raise RuntimeError(f"bench --generate: the copy of the model made for {row} differs from the build")
         t0 = time.perf_counter()
         label = convert(model, row, names)
         convert_s = time.perf_counter() - t0
@@ -255,9 +272,8 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
         if progress:
             print(f"bench --generate: {label}: converted in {convert_s:.1f} s, {model_mib:.0f} MiB", flush=True)
         for b in batches:
-            prefill_s, generate_s = time_generate(model, prompts[:b], new_tokens, repeat, label)
-            decode = (b * (new_tokens - 1) / (generate_s - prefill_s)
-                      if new_tokens > 1 and generate_s > prefill_s else None)
+            generate_s, prefill_s, decode_s = time_generate(model, prompts[:b], new_tokens, repeat, label)
+            decode = b * (new_tokens - 1) / decode_s if decode_s else None
             results.append(GenerateResult(label, row, b, prompt_tokens, new_tokens, round(model_mib, 2),
                                           round(linear_mib, 2), 0 if row == "bf16" else len(names), convert_s,
                                           generate_s, prefill_s, b * new_tokens / generate_s, decode))
@@ -265,6 +281,8 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
                 print(f"bench --generate: {label}, batch {b}: {generate_s:.2f} s", flush=True)
         del model
         gc.collect()
+    del base
+    gc.collect()
     for r in results:
         base = next((x for x in results if x.fmt == "bf16" and x.batch == r.batch), None)
         if base is not None:
@@ -320,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
-    from ds_fpquant.cli.bench.linear import cpu_name, load_average
+    from ds_fpquant.cli.bench.linear import cpu_cores, cpu_name, llc_bytes, load_average
     from ds_fpquant.cli.common import report
 
     if args.device != "cpu":
@@ -355,12 +373,15 @@ def main(args, parser: argparse.ArgumentParser) -> int:
         if any(v < 1 for v in values):
             parser.error(f"{flag} {list(values)}: each must be >= 1")
     repeat = args.repeat or DEFAULT_REPEAT
+    t0 = time.perf_counter()
     results, skipped, info = run(rows, spec, batches, prompt, new, repeat)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(),
-           **{f"llama_{k}": v for k, v in spec.items()}, **info, "prompt_tokens": prompt, "new_tokens": new,
-           "repeat": repeat, "load_average": load_average()}
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "cores": cpu_cores(),
+           "llc_mib": llc_bytes() / MIB, **{f"llama_{k}": v for k, v in spec.items()}, **info,
+           "prompt_tokens": prompt, "new_tokens": new, "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1),
+           "load_average": load_average()}
     if skipped:
         env["skipped"] = skipped
-    print(describe(spec, info, prompt, new))
-    report(env, format_table(results), results, args.json)
+    report(env, describe(spec, info, prompt, new) + "\n\n" + format_table(results), results, args.json,
+           getattr(args, "results", None), f"ds-fpquant bench --generate, {cpu_name()}, {cpu_cores()} cores",
+           getattr(args, "command_line", None))
     return 0

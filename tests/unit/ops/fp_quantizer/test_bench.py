@@ -207,8 +207,12 @@ def test_bench_generate_quick(tmp_path):
     JSON fields; torchao's row is skipped with the reason where torchao is not importable (no timing asserts)."""
     path = tmp_path / "generate.json"
     run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--quick", "--repeat", "1",
-                          "--new-tokens", "3", "--json", str(path)], capture_output=True, text=True, timeout=600)
+                          "--new-tokens", "3", "--json", str(path), "--results", str(tmp_path / "gen")],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    md = (tmp_path / "gen.md").read_text()
+    assert md.startswith("# ds-fpquant bench --generate, ") and "Llama (random, bf16): hidden 256" in md
+    assert "| 2 | ds_fpquant e2m1 g128 |" in md and json.loads((tmp_path / "gen.json").read_text())["results"]
     assert "Llama (random, bf16): hidden 256, 2 layers" in run.stdout and "14 linears converted" in run.stdout
     labels = ("bf16", "ds_fpquant e4m3 g128", "ds_fpquant e2m1 g128", "ds_fpquant nvfp4 g16", "torch int8pack",
               "torch int4pack g128")
@@ -218,7 +222,7 @@ def test_bench_generate_quick(tmp_path):
     data = json.loads(path.read_text())
     env, rows = data["environment"], data["results"]
     assert env["llama_hidden_size"] == 256 and env["new_tokens"] == 3 and env["prompt_tokens"] == 4
-    assert env["linears_converted"] == 14 and env["parameters"] > 0
+    assert env["linears_converted"] == 14 and env["parameters"] > 0 and env["cores"] >= 1 and env["llc_mib"] > 0
     try:
         import torchao.quantization  # noqa: F401
         has_torchao = True
@@ -233,6 +237,7 @@ def test_bench_generate_quick(tmp_path):
     bf16 = {r["batch"]: r for r in rows if r["fmt"] == "bf16"}
     for r in rows:
         assert r["new_tokens"] == 3 and r["generate_s"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["prefill_s"] < r["generate_s"] and r["decode_tokens_per_s"] > 0
         assert abs(r["vs_bf16"] - r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"]) < 1e-9
         assert (r["converted_linears"] == 0) == (r["fmt"] == "bf16")
         assert r["linear_mib"] < bf16[r["batch"]]["linear_mib"] or r["fmt"] == "bf16"
