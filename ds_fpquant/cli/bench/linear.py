@@ -378,6 +378,7 @@ def format_summary(results: Sequence[LinearResult]) -> str:
         bf16_mib = 2 * n * k * layers / MIB
         out.append(f"{n}x{k}, bf16 x, model-sized: {layers} distinct layers per pass ({bf16_mib:.0f} MiB of bf16 "
                    "weights); ms per layer (ratio to bf16 F.linear)")
+        out.append("")  # a blank line before each table (markdown)
         out.append("| M | " + " | ".join(columns) + " |")
         out.append("|---|" + "---|" * len(columns))
         out += _grid(rows, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_bf16)})")
@@ -386,6 +387,7 @@ def format_summary(results: Sequence[LinearResult]) -> str:
         out.append("")
         out.append(f"{n}x{k}, bf16 x, GB/s of weight bytes read (share of the read bandwidth{read_text}); weight MiB "
                    "per layer in the header")
+        out.append("")  # a blank line before each table (markdown)
         mib = {r.label: r.weight_bytes / MIB for r in rows}
         out.append("| M | " + " | ".join(f"{c} ({mib[c]:.2f} MiB)" for c in columns) + " |")
         out.append("|---|" + "---|" * len(columns))
@@ -396,6 +398,7 @@ def format_summary(results: Sequence[LinearResult]) -> str:
             columns = list(dict.fromkeys(r.label for r in rows32))
             out.append(f"{n}x{k}, fp32 x, model-sized as above; ms per layer (ratio to fp32 F.linear, the fp32 "
                        "weight)")
+            out.append("")  # a blank line before each table (markdown)
             out.append("| M | " + " | ".join(columns) + " |")
             out.append("|---|" + "---|" * len(columns))
             out += _grid(rows32, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_fp32)})")
