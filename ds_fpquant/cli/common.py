@@ -1,17 +1,24 @@
-"""What the commands share: the ``<fmt>/<Br>x<Bc>`` spelling of 2-D block scaling, the benchmark timer and the
-report printer."""
+"""What the commands share: the ``<fmt>/<Br>x<Bc>`` spelling of 2-D block scaling, the benchmark timer, the
+report printer and the results files of ``--results``."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import asdict
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["parse_scheme", "make_timer", "median_ms", "report"]
+__all__ = ["parse_scheme", "make_timer", "median_ms", "report", "results_paths", "RESULTS_DIR"]
+
+#: Where ``--results NAME`` writes ``NAME.md`` and ``NAME.json`` (relative to the folder the command runs in: the
+#: repository root, where the measurement history is kept).
+RESULTS_DIR = os.path.join("benchmarks", "results")
 
 
 def parse_scheme(text: str) -> Tuple[str, Optional[Tuple[int, int]]]:
@@ -60,10 +67,54 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
     return make_timer(torch.device("cpu"), repeat, warmup=1)(fn) * 1e3
 
 
-def report(env: dict, table: str, results: Sequence, json_path: Optional[str]) -> None:
-    """Print the environment line and the table; also write both as JSON to ``json_path`` if given."""
+def results_paths(name: str) -> Tuple[str, str]:
+    """The markdown and JSON files of ``--results name``: ``benchmarks/results/<name>.md`` and ``.json`` under the
+    current folder, or ``<name>.md`` / ``.json`` where ``name`` has a folder in it (a ``.md`` / ``.json`` ending is
+    dropped first)."""
+    stem = name[:-3] if name.endswith(".md") else name[:-5] if name.endswith(".json") else name
+    if not os.path.dirname(stem):
+        stem = os.path.join(RESULTS_DIR, stem)
+    return stem + ".md", stem + ".json"
+
+
+def _git_head() -> Optional[str]:
+    """The short commit of the checkout the package runs from, ``+dirty`` with uncommitted changes; ``None`` outside
+    a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def report(env: dict, table: str, results: Sequence, json_path: Optional[str], results_name: Optional[str] = None,
+           title: str = "ds-fpquant bench", command: Optional[str] = None) -> None:
+    """Print the environment line and the table; also write both as JSON to ``json_path`` if given. With
+    ``results_name`` (``--results``), write the run's file pair (:func:`results_paths`): a markdown file with
+    ``title``, the command, date and commit, the environment and ``table``, and the JSON of the run with the same
+    header fields."""
     print(", ".join(f"{k}: {v}" for k, v in env.items()))
     print(table)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)
+    if results_name:
+        md_path, json_file = results_paths(results_name)
+        os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
+        header = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "commit": _git_head()}
+        lines = [f"# {title}", "", f"`{command}`, {header['date']}, commit {header['commit'] or 'unknown'}; every "
+                 "number and ratio below is from this one run.", ""]
+        lines += [f"- {k}: {v}" for k, v in env.items()]
+        lines += ["", table, ""]
+        with open(md_path, "w") as fh:
+            fh.write("\n".join(lines))
+        with open(json_file, "w") as fh:
+            json.dump({**header, "environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)
+        print(f"wrote {md_path} and {json_file}")

@@ -11,7 +11,8 @@ from ds_fpquant.cli.quantize import quantize_main
 COMMANDS = {
     "demo": "quantize all-MiniLM-L6-v2's linear weights in every format, run it under DeepSpeed "
             "inference and print an accuracy table",
-    "bench": "quantize/dequantize throughput with ratios against baselines measured in the same run",
+    "bench": "quantize/dequantize throughput (--linear: the quantized linear layer; --generate: end-to-end decoding "
+             "of a random Llama) with ratios against baselines measured in the same run",
     "report": "DeepSpeed's op report with the ds_fpquant ops added (--build: build and self-test them)",
     "quantize": "quantize a Hugging Face checkpoint (SRC DST) into an FP8/FP6/FP4 checkpoint",
 }

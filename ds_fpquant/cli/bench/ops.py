@@ -14,13 +14,16 @@ import argparse
 import math
 import os
 import platform
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ds_fpquant.cli.bench import generate as bench_generate
 from ds_fpquant.cli.bench import linear as bench_linear
-from ds_fpquant.cli.common import make_timer, report
+from ds_fpquant.cli.common import make_timer, report, results_paths
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES
 from ds_fpquant.ops import backends
 from ds_fpquant.tensor.quantize import dequantize, quantize
@@ -170,19 +173,39 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=float, nargs="+", help="input sizes in MiB of bf16")
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(DEFAULT_FORMATS))
     parser.add_argument("--group-sizes", type=int, nargs="+", help="group sizes G")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per case (median reported)")
+    parser.add_argument("--repeat", type=int, help="timed runs per case, median reported (default 7; --generate: "
+                        f"{bench_generate.DEFAULT_REPEAT})")
     parser.add_argument("--json", metavar="PATH", help="also write the results and environment as JSON")
+    parser.add_argument("--results", metavar="NAME", help="also write the run as benchmarks/results/NAME.md (the "
+                        "printed tables, the command, date, commit and machine) and NAME.json (every row), from the "
+                        "repository root; a NAME with a folder in it is used as given; existing files are not "
+                        "overwritten")
     bench_linear.add_arguments(parser)
+    bench_generate.add_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.repeat < 1:
+    if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.linear and args.generate:
+        parser.error("--linear and --generate are two benches: give one")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: the folder does not exist")
+    if args.results:
+        taken = [p for p in results_paths(args.results) if os.path.exists(p)]
+        if taken:
+            parser.error(f"--results {args.results}: {' and '.join(taken)} already exist(s); choose another name")
+        folder = os.path.dirname(os.path.abspath(results_paths(args.results)[0]))
+        while not os.path.isdir(folder):  # the nearest folder that exists must take the new ones
+            folder = os.path.dirname(folder)
+        if not os.access(folder, os.W_OK):
+            parser.error(f"--results {args.results}: cannot write under {folder}")
+    args.command_line = "ds-fpquant bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.linear:
         return bench_linear.main(args, parser)
+    if args.generate:
+        return bench_generate.main(args, parser)
     sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else DEFAULT_SIZES_MIB)
     groups = args.group_sizes or (QUICK_GROUPS if args.quick else DEFAULT_GROUPS)
     min_mib = 2 * ROW / MIB  # one row of bf16
@@ -191,6 +214,7 @@ def main(argv=None) -> int:
         parser.error(f"--sizes {bad_sizes}: each size must be between {min_mib:g} and {MAX_MIB} MiB")
     if any(g < 1 for g in groups):
         parser.error(f"--group-sizes {list(groups)}: group sizes must be >= 1")
-    results = run(device, sizes, args.formats, groups, repeat=args.repeat)
-    report(environment(device), format_table(results), results, args.json)
+    results = run(device, sizes, args.formats, groups, repeat=args.repeat or 7)
+    report(environment(device), format_table(results), results, args.json, args.results,
+           f"ds-fpquant bench ({device.type})", args.command_line)
     return 0

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ds_fpquant.cli.bench import ops as bench
@@ -50,20 +51,215 @@ def test_selective_dequantize_benchmark_script():
     assert bad.returncode == 2 and "--top-k=9 is more than --experts=4" in bad.stderr
 
 
-def test_bench_linear_quick_rows():
-    """``ds-fpquant bench --linear --quick``: every impl row of every format, resident and model-sized."""
-    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--quick", "--repeat", "1",
-                          "--tokens", "1", "9", "--linear-formats", "e4m3", "nvfp4"], capture_output=True, text=True,
-                         timeout=600)
+def test_bench_linear_quick_rows(tmp_path):
+    """``ds-fpquant bench --linear --quick``: every impl row of every format (fused with bf16 and fp32 x), resident
+    and model-sized, the read bandwidth, the two torch peers (checked against ``x @ dequant(W)^T`` before timing),
+    GB/s of every weight row, the issue's summary tables, the JSON fields and the ``--results`` file pair."""
+    path = tmp_path / "linear.json"
+    stem = tmp_path / "results" / "linear_quick"
+    args = [sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--quick", "--repeat", "1", "--tokens", "1", "9",
+            "--linear-formats", "e4m3", "nvfp4", "--with-dequantize", "--json", str(path), "--results", str(stem)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for impl in ("nn.Linear fp32 | -", "nn.Linear bf16 | -", "dequantize + matmul | e4m3", "fused | e4m3",
-                 "dequantize + matmul | nvfp4", "fused | nvfp4"):
+    for impl in ("nn.Linear fp32 | - | fp32", "nn.Linear bf16 | - | bf16", "torch int8pack | int8 per channel | bf16",
+                 "torch int4pack | int4 g128 | bf16", "dequantize + matmul | e4m3 | bf16", "fused | e4m3 | bf16",
+                 "fused | e4m3 | fp32", "dequantize + matmul | nvfp4 | bf16", "fused | nvfp4 | bf16",
+                 "fused | nvfp4 | fp32"):
         for m in (1, 9):
             assert f"| 512x512 | {m} | {impl} |" in run.stdout, run.stdout
     assert "| 512x512 | - | copy_ bf16 weights |" in run.stdout
+    assert "| - | - | read bandwidth (fp32 sum) | - |" in run.stdout
+    assert ("| M | bf16 F.linear | torch int8pack | torch int4pack g128 | ds_fpquant e4m3 g128 | "
+            "ds_fpquant nvfp4 g16 |") in run.stdout
+    assert "| M | bf16 F.linear (0.50 MiB) | torch int8pack (0.25 MiB) | torch int4pack g128 (0.13 MiB) |" in run.stdout
+    assert "| M | fp32 F.linear | ds_fpquant e4m3 g128 (fp32 x) | ds_fpquant nvfp4 g16 (fp32 x) |" in run.stdout
+    data = json.loads(path.read_text())
+    env, rows = data["environment"], data["results"]
+    assert env["read_gbps"] > 0 and env["read_mib"] >= 64 and env["llc_multiple"] == 8 and env["cpu"]
+    assert env["cores"] >= 1 and env["machine_llc_mib"] > 0 and env["llc_mib"] == 1 and env["run_s"] > 0
+    read = rows[0]
+    assert read["impl"] == "read bandwidth (fp32 sum)" and read["of_read_bw"] == 1.0
+    by_key = {(r["m"], r["impl"], r["fmt"], r["x"]): r for r in rows}
+    assert len(by_key) == len(rows)
+    for m in (1, 9):
+        for key in (("torch int8pack", "int8 per channel"), ("torch int4pack", "int4 g128")):
+            row = by_key[(m, *key, "bf16")]
+            assert 0 <= row["peer_check"] <= 1 and row["model_gbps"] > 0 and row["of_read_bw"] > 0
+        fused = by_key[(m, "fused", "e4m3", "bf16")]
+        assert fused["label"] == "ds_fpquant e4m3 g128" and fused["peer_check"] is None
+        assert fused["weight_bytes"] == 512 * 512 + 512 * 4 * 4  # codes + fp32 scales, G=128
+        assert by_key[(m, "torch int8pack", "int8 per channel", "bf16")]["weight_bytes"] == 512 * 512 + 512 * 2
+        assert by_key[(m, "torch int4pack", "int4 g128", "bf16")]["weight_bytes"] == 512 * 256 + 4 * 512 * 2 * 2
+        assert abs(fused["model_gbps"] - fused["weight_bytes"] / fused["model_ms"] / 1e6) < 1e-9
+        fused32 = by_key[(m, "fused", "e4m3", "fp32")]
+        assert fused32["label"] == "ds_fpquant e4m3 g128 (fp32 x)"
+        base32 = by_key[(m, "nn.Linear fp32", "-", "fp32")]
+        assert abs(fused32["model_vs_fp32"] - base32["model_ms"] / fused32["model_ms"]) < 1e-9
+    md = (tmp_path / "results" / "linear_quick.md").read_text()
+    saved = json.loads((tmp_path / "results" / "linear_quick.json").read_text())
+    assert md.startswith("# ds-fpquant bench --linear, ") and "--linear-formats e4m3 nvfp4" in md
+    assert "| M | bf16 F.linear | torch int8pack |" in md and "| 512x512 | 9 | fused | nvfp4 | fp32 |" in md
+    assert f"- cores: {env['cores']}" in md and "MiB last-level cache" in md.splitlines()[0]
+    assert saved["command"].startswith("ds-fpquant bench --linear") and saved["date"]
+    assert saved["environment"]["cpu"] == env["cpu"] and len(saved["results"]) == len(rows)
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "already exist" in again.stderr
     bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--linear-formats", "fp8"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "fmt='fp8' is not supported" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--linear", "--llc-multiple", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--llc-multiple must be > 0" in bad.stderr
+
+
+def test_results_paths():
+    """``--results NAME`` lands in benchmarks/results/ of the folder the command runs in; a name with a folder is
+    used as given; a .md / .json ending is not doubled."""
+    import os
+
+    from ds_fpquant.cli.common import results_paths
+
+    assert results_paths("linear_cpu") == (os.path.join("benchmarks", "results", "linear_cpu.md"),
+                                          os.path.join("benchmarks", "results", "linear_cpu.json"))
+    assert results_paths("out/run.md") == ("out/run.md", "out/run.json")
+    assert results_paths("/tmp/a.json") == ("/tmp/a.md", "/tmp/a.json")
+
+
+def test_bench_linear_without_peers_and_odd_shapes():
+    """``run`` straight: ``with_peers=False`` leaves both peers out; a shape int4pack cannot pack (K not a multiple
+    of 128) keeps the int8 peer and says why the int4 one is missing; the summary has one column per row kind."""
+    from ds_fpquant.cli.bench import linear as bench_linear
+
+    rows = bench_linear.run([(64, 96)], [2], ["e2m1"], repeat=1, llc=2**16, progress=False, read_bytes=2**20,
+                            x_dtypes=["bf16"])
+    impls = [r.impl for r in rows if r.m]
+    assert "torch int8pack" in impls and "torch int4pack" not in impls and "fused" in impls
+    assert "dequantize + matmul" not in impls and not any(r.x == "fp32" and r.impl == "fused" for r in rows)
+    summary = bench_linear.format_summary(rows)
+    assert "| M | bf16 F.linear | torch int8pack | ds_fpquant e2m1 g128 |" in summary
+    assert "fp32 x" not in summary  # no fused fp32-x rows: no fp32 table
+    none = bench_linear.run([(64, 128)], [1], ["e4m3"], repeat=1, llc=2**16, progress=False, read_bytes=2**20,
+                            with_peers=False)
+    assert not any(r.impl.startswith("torch") for r in none)
+    assert none[0].impl == bench_linear.READ_IMPL and none[0].weight_bytes == 2**20
+
+
+def test_peer_kernels_are_x_times_their_dequantized_weights():
+    """The peers compute ``x @ dequant(W)^T`` for their own int quantization (within check_peer's bound) for bf16,
+    fp16 and fp32 ``x``; the layout mistakes one could make with ``scales_and_zeros`` are caught far above it; the
+    int4 codes the packing keeps are the ones quantized (unpacked as torch's inductor does, x = I, scale 1,
+    zero 8)."""
+    from ds_fpquant.cli.bench import peers
+
+    torch.manual_seed(0)
+    for n, k in ((48, 256), (256, 384)):
+        w = torch.randn(n, k) * 0.02
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            p8 = peers.int8pack_weight(w, dtype, keep_dequantized=True)
+            p4 = peers.int4pack_weight(w, dtype, keep_dequantized=True)
+            assert p8.scales.shape == (n,) and p8.scales.dtype == dtype and p8.packed.dtype == torch.int8
+            assert p4.scales.shape == (k // 128, n, 2) and p4.scales.dtype == dtype
+            for m in (1, 3, 17):
+                x = torch.randn(m, k).to(dtype)
+                assert peers.check_peer(x, p8) <= 1 and peers.check_peer(x, p4) <= 1
+        # the quantization is a fair one: the dequantized weights are near the masters
+        assert (p8.dequantized - w.double()).abs().max() <= w.abs().max() / 127
+        assert (p4.dequantized - w.double()).abs().max() <= (w.abs().max() * 2 / 15) * 0.6
+        x = torch.randn(5, k).bfloat16()
+        p4 = peers.int4pack_weight(w, keep_dequantized=True)
+        scale, zero = p4.scales[..., 0].clone(), p4.scales[..., 1].clone()
+        wrong = {"scale and zero swapped": torch.stack([zero, scale], -1),
+                 "zero without the 8 * scale offset": torch.stack([scale, zero - 8 * scale], -1),
+                 "groups in reverse order": p4.scales.flip(0)}
+        for what, sz in wrong.items():
+            bad = peers.PeerWeight("int4pack", p4.packed, sz.contiguous(), p4.shape, 128, p4.dequantized)
+            assert peers.check_peer(x, bad) > 4, what
+        bad8 = peers.PeerWeight("int8pack", p8.packed, p8.scales.flip(0).contiguous(), p8.shape, 0, p8.dequantized)
+        assert peers.check_peer(x.to(p8.scales.dtype), bad8) > 4
+        unit = torch.tensor([1.0, 8.0]).bfloat16().expand(k // 128, n, 2).contiguous()
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k).bfloat16(), p4.packed, 128, unit)
+        deq = p4.dequantized.view(n, k // 128, 128)
+        sz = p4.scales.double().transpose(0, 1)
+        q = ((deq - sz[..., 1:]) / sz[..., :1] + 8).round().view(n, k)
+        assert torch.equal(codes.T.double(), q)
+    with pytest.raises(ValueError, match="multiple of its group size 128"):
+        peers.int4pack_weight(torch.randn(16, 100))
+    with pytest.raises(ValueError, match="keep_dequantized"):
+        peers.check_peer(torch.randn(1, 128).bfloat16(), peers.int8pack_weight(torch.randn(16, 128)))
+
+
+def test_peer_linear_module_runs_the_peer_op():
+    """``PeerLinear`` (the generate bench's stand-in) gives the peer op's output for 3-D ``x``, with the bias."""
+    from ds_fpquant.cli.bench import peers
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(256, 32, bias=True).bfloat16()
+    x = torch.randn(2, 3, 256).bfloat16()
+    for kind in ("int8pack", "int4pack"):
+        module = peers.PeerLinear(lin, kind)
+        p = peers.PeerWeight(kind, module.packed, module.scales, torch.Size((32, 256)), module.group_size)
+        want = peers.peer_linear(x.reshape(6, 256), p).view(2, 3, 32) + lin.bias
+        assert torch.equal(module(x), want) and module.nbytes == p.nbytes
+
+
+def test_bench_generate_quick(tmp_path):
+    """``ds-fpquant bench --generate --quick``: a tiny random Llama, every row at both batch sizes, the table, the
+    JSON fields; torchao's row is skipped with the reason where torchao is not importable (no timing asserts)."""
+    path = tmp_path / "generate.json"
+    run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--quick", "--repeat", "1",
+                          "--new-tokens", "3", "--json", str(path), "--results", str(tmp_path / "gen")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    md = (tmp_path / "gen.md").read_text()
+    assert md.startswith("# ds-fpquant bench --generate, ") and "Llama (random, bf16): hidden 256" in md
+    assert "| 2 | ds_fpquant e2m1 g128 |" in md and json.loads((tmp_path / "gen.json").read_text())["results"]
+    assert "Llama (random, bf16): hidden 256, 2 layers" in run.stdout and "14 linears converted" in run.stdout
+    labels = ("bf16", "ds_fpquant e4m3 g128", "ds_fpquant e2m1 g128", "ds_fpquant nvfp4 g16", "torch int8pack",
+              "torch int4pack g128")
+    for b in (1, 2):
+        for label in labels:
+            assert f"| {b} | {label} |" in run.stdout, run.stdout
+    data = json.loads(path.read_text())
+    env, rows = data["environment"], data["results"]
+    assert env["llama_hidden_size"] == 256 and env["new_tokens"] == 3 and env["prompt_tokens"] == 4
+    assert env["linears_converted"] == 14 and env["parameters"] > 0 and env["cores"] >= 1 and env["llc_mib"] > 0
+    try:
+        import torchao.quantization  # noqa: F401
+        has_torchao = True
+    except Exception:
+        has_torchao = False
+    if has_torchao:
+        assert any(r["fmt"] == "torchao-int8" for r in rows)
+    else:
+        assert "torchao is not importable" in env["skipped"]["torchao-int8"]
+        assert "torchao-int8: skipped" in run.stdout
+    assert [r["batch"] for r in rows] == sorted(r["batch"] for r in rows)
+    bf16 = {r["batch"]: r for r in rows if r["fmt"] == "bf16"}
+    for r in rows:
+        assert r["new_tokens"] == 3 and r["generate_s"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["prefill_s"] < r["generate_s"] and r["decode_tokens_per_s"] > 0
+        assert abs(r["vs_bf16"] - r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"]) < 1e-9
+        assert (r["converted_linears"] == 0) == (r["fmt"] == "bf16")
+        assert r["linear_mib"] < bf16[r["batch"]]["linear_mib"] or r["fmt"] == "bf16"
+    bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--generate-formats", "fp8"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--generate-formats fp8" in bad.stderr
+    both = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--linear"],
+                          capture_output=True, text=True, timeout=600)
+    assert both.returncode == 2 and "give one" in both.stderr
+
+
+def test_generate_rebuilds_the_same_model():
+    """Every row is built anew from the seed: the builds must hold the same weights (the bench compares them)."""
+    from ds_fpquant.cli.bench import generate
+
+    spec = dict(generate.LLAMA_TINY, num_hidden_layers=1)
+    a, b = generate.build_model(spec), generate.build_model(spec)
+    assert generate.fingerprint(a) == generate.fingerprint(b)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert next(a.parameters()).dtype == torch.bfloat16
+    assert generate.target_linears(a) == [n for n, m in a.named_modules()
+                                          if isinstance(m, torch.nn.Linear) and n != "lm_head"]
 
 
 def test_llc_is_read_from_every_cache_entry(tmp_path):
