@@ -1,7 +1,7 @@
 """``ds_fpquant.matmul_fp8``: the drop-in for ``deepspeed.ops.fp_quantizer.matmul_fp8`` (issue 27).
 
 Laid out like DeepSpeed's ``tests/unit/ops/fp_quantizer/test_fp8_gemm.py``: its test body first (its shapes, dtype,
-group size and calls), then what DeepSpeed's test does not try. Every result is checked
+group size and calls), then ``patch_deepspeed``, then what DeepSpeed's test does not try. Every result is checked
 elementwise against the fp64 ``exact = inp @ dequantize(weight)``: each code's value from the oracle's ml_dtypes
 table (not ds_fpquant's decoder) times its group's scale, in fp64 (:func:`_weight64`), with SPEC 8.2's bound
 (``unit.linear_bound.assert_product_within_bound``):
@@ -19,6 +19,7 @@ every test here has ``K >= 2`` or ``K = 0``.
 """
 
 import inspect
+import sys
 
 import deepspeed
 import pytest
@@ -29,6 +30,7 @@ from deepspeed.ops.op_builder import FPQuantizerBuilder
 from unit.linear_bound import assert_product_within_bound
 from unit.oracle import code_values
 
+import ds_fpquant as fpq
 from ds_fpquant import FP_Quantize, matmul_fp8
 from ds_fpquant.integration import fp8_gemm as fp8_gemm_module
 from ds_fpquant.integration.originals import REPLACED
@@ -169,6 +171,55 @@ def test_deepspeeds_calls_give_the_same_result():
     assert torch.equal(matmul_fp8(inp=x, weight=weight, scale=scale, quantization_group_size=32, quantizer=q), y)
     assert torch.equal(matmul_fp8(x, weight, scale, 32), y)
     assert torch.equal(matmul_fp8(x, weight, scale, quantization_group_size=32, quantizer=None), y)
+
+
+# ---- through patch_deepspeed() ---------------------------------------------------------------------------------
+
+
+def test_patch_deepspeed_installs_matmul_fp8():
+    """After ``patch_deepspeed()`` DeepSpeed's two names (the package's and ``fp8_gemm``'s) are ours, and DeepSpeed's
+    own calls (``FP_Quantize`` from its package, then its ``matmul_fp8``) run it; an instance of DeepSpeed's own
+    class is still taken for one; ``unpatch_deepspeed()`` puts DeepSpeed's function back in both."""
+    import deepspeed.ops.fp_quantizer as ds_fp
+    import deepspeed.ops.fp_quantizer.fp8_gemm as ds_fp8_gemm
+
+    original = ds_fp8_gemm.matmul_fp8
+    assert ds_fp.matmul_fp8 is original and original is not matmul_fp8
+    fpq.patch_deepspeed()
+    try:
+        assert ds_fp.matmul_fp8 is matmul_fp8 and ds_fp8_gemm.matmul_fp8 is matmul_fp8
+        from deepspeed.ops.fp_quantizer import FP_Quantize as DeepSpeedName
+        from deepspeed.ops.fp_quantizer import matmul_fp8 as ds_matmul_fp8
+        assert DeepSpeedName is FP_Quantize and ds_matmul_fp8 is matmul_fp8
+        q = DeepSpeedName(quantization_config=QuantizationConfig(group_size=64))
+        q, weight, scale = _quantized(96, 160, 64, seed=1, quantizer=q)
+        x = torch.randn(5, 96, dtype=torch.bfloat16, device=DEVICE)
+        y = ds_matmul_fp8(x, weight, scale, 64, q)
+        _assert_within_bound(x, _weight64(weight, scale, 64), y)
+        # DeepSpeed's class is ours while patched; its original is still a quantizer matmul_fp8 takes
+        assert torch.equal(ds_fp8_gemm.matmul_fp8(x, weight, scale, 64, _deepspeed_stand_in(64)), y)
+        fpq.patch_deepspeed()  # a second patch changes nothing
+        assert ds_fp.matmul_fp8 is matmul_fp8 and ds_fp8_gemm.matmul_fp8 is matmul_fp8
+    finally:
+        fpq.unpatch_deepspeed()
+    assert ds_fp.matmul_fp8 is original and ds_fp8_gemm.matmul_fp8 is original
+    assert not REPLACED
+
+
+def test_patch_deepspeed_without_deepspeeds_fp8_gemm(monkeypatch):
+    """A DeepSpeed without the fp8 GEMM (no ``fp8_gemm`` module to import, no ``matmul_fp8`` name): the patch
+    installs the rest and adds no ``matmul_fp8``; unpatching leaves none behind."""
+    import deepspeed.ops.fp_quantizer as ds_fp
+
+    monkeypatch.delattr(ds_fp, "matmul_fp8")
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.fp_quantizer.fp8_gemm", None)  # its import raises ImportError
+    fpq.patch_deepspeed()
+    try:
+        assert ds_fp.FP_Quantize is FP_Quantize and "matmul_fp8" not in vars(ds_fp)
+        assert all(attr != "matmul_fp8" for _, attr in REPLACED)
+    finally:
+        fpq.unpatch_deepspeed()
+    assert "matmul_fp8" not in vars(ds_fp) and not REPLACED
 
 
 # ---- the shapes and arguments DeepSpeed's test does not try ----------------------------------------------------
