@@ -1,7 +1,7 @@
 """ds_fpquant: FP8 / FP6 / FP4 group quantization for DeepSpeed, correct to the bit.
 
 Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`QuantizedTensor`, the
-DeepSpeed drop-in :class:`FP_Quantize`, and the format table :data:`FORMATS`.
+DeepSpeed drop-ins :class:`FP_Quantize` and :func:`matmul_fp8`, and the format table :data:`FORMATS`.
 """
 
 from ds_fpquant.numerics.formats import FORMATS, PRESETS, FPFormat, get_format
@@ -9,14 +9,15 @@ from ds_fpquant.tensor.quantize import dequantize, quantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 from ds_fpquant.version import __version__
 
-__all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "FORMATS", "PRESETS", "FPFormat",
+__all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "matmul_fp8", "FORMATS", "PRESETS", "FPFormat",
            "get_format", "apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed", "FPQuantizationConfig",
            "FPQuantizedLinear", "quantize_checkpoint", "load_quantized", "save_quantized", "__version__"]
 
-# These need DeepSpeed (FP_Quantize subclasses its Quantizer; the config is a DeepSpeed config
+# These need DeepSpeed (FP_Quantize subclasses its Quantizer, matmul_fp8 takes one; the config is a DeepSpeed config
 # model); DeepSpeed is imported only when one of them is asked for.
 _LAZY = {
     "FP_Quantize": "integration.fp_quantizer",
+    "matmul_fp8": "integration.fp8_gemm",
     "apply": "integration.inference",
     "init_inference": "integration.inference",
     "patch_deepspeed": "integration.patching",

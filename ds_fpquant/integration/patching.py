@@ -43,6 +43,22 @@ def _reduce_quantized_parameter(self, protocol):
     return _rebuild_quantized_parameter, (self.data, self.quantization_config, self.quantizer)
 
 
+def _matmul_fp8_owners() -> list:
+    """The DeepSpeed modules that define DeepSpeed's ``matmul_fp8`` name: ``deepspeed.ops.fp_quantizer`` and
+    ``deepspeed.ops.fp_quantizer.fp8_gemm``, each where it imports and has the name (a DeepSpeed without the fp8
+    GEMM has neither)."""
+    import deepspeed.ops.fp_quantizer as ds_fp
+
+    owners = [ds_fp]
+    try:
+        import deepspeed.ops.fp_quantizer.fp8_gemm as ds_fp8_gemm
+    except ImportError:
+        pass
+    else:
+        owners.append(ds_fp8_gemm)
+    return [m for m in owners if "matmul_fp8" in vars(m)]
+
+
 def patch_deepspeed() -> None:
     """Plug ds_fpquant into DeepSpeed's own names (opt-in; undo with :func:`unpatch_deepspeed`).
 
@@ -54,12 +70,17 @@ def patch_deepspeed() -> None:
       an explicit ``quantizer=`` use this project's quantizer (``copy.deepcopy`` of a
       ``QuantizedParameter`` needs that: DeepSpeed rebuilds it with a default quantizer), and a pickled
       ``QuantizedParameter`` unpickles as one.
+    - DeepSpeed's ``matmul_fp8`` (``deepspeed.ops.fp_quantizer.matmul_fp8`` and
+      ``deepspeed.ops.fp_quantizer.fp8_gemm.matmul_fp8``, each where the module imports and has the name) is
+      :func:`ds_fpquant.matmul_fp8`. As for ``FP_Quantize``, a module that imported DeepSpeed's name before the
+      patch keeps the object it imported; look it up after the patch, or call ``ds_fpquant.matmul_fp8``.
     """
     import deepspeed
     import deepspeed.linear.quantization as ds_linear_quant
     import deepspeed.ops.fp_quantizer as ds_fp
     import deepspeed.ops.fp_quantizer.quantize as ds_fp_quantize
 
+    from ds_fpquant.integration.fp8_gemm import matmul_fp8
     from ds_fpquant.integration.fp_quantizer import FP_Quantize
 
     qp = ds_linear_quant.QuantizedParameter
@@ -67,9 +88,12 @@ def patch_deepspeed() -> None:
         REPLACED.update({(m, "FP_Quantize"): m.FP_Quantize for m in (ds_fp, ds_fp_quantize, ds_linear_quant)})
         REPLACED[(qp, "__reduce_ex__")] = qp.__dict__.get("__reduce_ex__")
         REPLACED[(deepspeed, "init_inference")] = deepspeed.init_inference
+        REPLACED.update({(m, "matmul_fp8"): m.matmul_fp8 for m in _matmul_fp8_owners()})
     for module, attr in REPLACED:
         if attr == "FP_Quantize":
             module.FP_Quantize = FP_Quantize
+        elif attr == "matmul_fp8":
+            module.matmul_fp8 = matmul_fp8
     qp.__reduce_ex__ = _reduce_quantized_parameter
     deepspeed.init_inference = _deepspeed_init_inference
 

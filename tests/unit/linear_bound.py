@@ -4,7 +4,8 @@ whose kernel, and so the order of its sums, the machine chooses (BLAS, oneDNN, i
 - one quantized linear (every backend, every path) against an fp64 reference built from the exact weights
   (codes times scales, :func:`exact_weight`; the CUDA paths: the torch backend's dequantized weight, itself
   checked bit for bit against the oracle elsewhere): the fp32 summation bound;
-  :class:`LinearCalls` applies it to every quantized linear of a model's forward;
+  :class:`LinearCalls` applies it to every quantized linear of a model's forward; a product with any other fp64
+  weight (DeepSpeed's ``matmul_fp8`` layout): :func:`assert_product_within_bound`;
 - any other fp32 matmul (gradients): :func:`matmul_within_bound`;
 - a whole model evaluated two ways: :func:`assert_as_accurate_as`, against the fp64 evaluation of the model
   holding the dequantized weights (:func:`dequantized_model`).
@@ -53,21 +54,28 @@ def assert_linear_within_bound(x, qt, bias, y, weights="exact"):
     path and the torch backend): ``w`` = :func:`exact_weight`, the codes times their group scales exactly;
     ``"rounded"`` (the CUDA GEMV and panels, until issue 28): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in
     x's dtype. Either way the path differs from the reference only in the order and rounding of its fp32 sums
-    (and one rounding to x's dtype), so ``|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref|`` elementwise (plus
-    half the output dtype's smallest subnormal), NaN exactly where the reference is NaN, the same Inf where it
-    is Inf."""
+    (and one rounding to x's dtype): :func:`assert_product_within_bound`."""
     if weights == "exact":
         w = exact_weight(qt)
     else:
         assert weights == "rounded", weights
         w = fpq.dequantize(qt, x.dtype, backend="torch").double().cpu()
-    x64 = x.double().cpu().reshape(-1, w.shape[1])
+    assert_product_within_bound(x, w, bias, y)
+
+
+def assert_product_within_bound(x, w, bias, y):
+    """``y`` (in ``x``'s dtype) of any path that multiplies ``x`` by the fp64 weight ``w`` ``(N, K)`` with fp32
+    products and sums (any order) and one rounding to x's dtype, against fp64 ``ref = x @ w^T + bias`` (the bias
+    rounded to x's dtype, as every path adds it): elementwise ``|y - ref| <= 2 K eps32 sum|x||w| + eps(out) |ref|``
+    (plus half the output dtype's smallest subnormal; SPEC 8.2), NaN exactly where the reference is NaN, the same
+    Inf where it is Inf. Returns ``ref``."""
+    x64 = x.detach().double().cpu().reshape(-1, w.shape[1])
     ref = x64 @ w.T
     size = x64.abs() @ w.abs().T
     if bias is not None:  # every path adds the bias rounded to x's dtype (SPEC 8)
         b = bias.to(x.dtype).double().cpu()
         ref, size = ref + b, size + b.abs()
-    y64 = y.double().cpu().reshape(ref.shape)
+    y64 = y.detach().double().cpu().reshape(ref.shape)
     k = w.shape[1]
     tol = 2 * k * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
     nan = torch.isnan(ref)
@@ -78,6 +86,7 @@ def assert_linear_within_bound(x, qt, bias, y, weights="exact"):
     err = (y64 - ref).abs()[finite]
     assert bool((err <= tol[finite]).all()), f"max error {err.max().item():.3e} over bound {tol[finite].max().item():.3e}"
     assert y.dtype == x.dtype
+    return ref
 
 
 def matmul_within_bound(a, b, got, extra=0.0):
