@@ -94,10 +94,6 @@ struct TileArgs {
 template <class F, class Dot, int64_t kM, int64_t kN, bool kWide>
 inline void tile(const RawBf16Decoder<F>& dec, const TileArgs<Dot, kN>& t, int64_t c0, int64_t c1, float* totals)
 {
-    __m512 total[kM][kN];
-    for (int64_t m = 0; m < kM; ++m) {
-        for (int64_t r = 0; r < kN; ++r) { total[m][r] = _mm512_loadu_ps(totals + (m * kN + r) * 16); }
-    }
     // acc[m][r] += step of 64 codes at column c (`valid` of them inside the row)
     const auto step = [&](int64_t c, int64_t valid, __m512(&acc)[kM][kN]) {
         typename Dot::Regs w[kN];
@@ -111,6 +107,16 @@ inline void tile(const RawBf16Decoder<F>& dec, const TileArgs<Dot, kN>& t, int64
             for (int64_t r = 0; r < kN; ++r) { acc[m][r] = Dot::dot(acc[m][r], x, w[r]); }
         }
     };
+    // totals[m][r] += acc[m][r] * s[r] (per lane): the totals live in memory (L1), touched once per group,
+    // so that the registers hold the accumulators, the decoded words and x
+    const auto scale_into_totals = [&](const __m512(&acc)[kM][kN], const __m512(&s)[kN]) {
+        for (int64_t m = 0; m < kM; ++m) {
+            for (int64_t r = 0; r < kN; ++r) {
+                float* p = totals + (m * kN + r) * 16;
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(acc[m][r], s[r], _mm512_loadu_ps(p)));
+            }
+        }
+    };
     if constexpr (kWide) {  // groups of a multiple of 64 codes: one scale multiply per group
         int64_t g = c0 / t.group_size;
         for (int64_t start = c0; start < c1; start += t.group_size, ++g) {
@@ -122,10 +128,9 @@ inline void tile(const RawBf16Decoder<F>& dec, const TileArgs<Dot, kN>& t, int64
             int64_t c = start;
             for (; c + kStep <= end; c += kStep) { step(c, kStep, acc); }
             if (c < end) { step(c, end - c, acc); }
-            for (int64_t r = 0; r < kN; ++r) {
-                const __m512 s = _mm512_set1_ps(t.scales[r][g]);
-                for (int64_t m = 0; m < kM; ++m) { total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]); }
-            }
+            __m512 s[kN];
+            for (int64_t r = 0; r < kN; ++r) { s[r] = _mm512_set1_ps(t.scales[r][g]); }
+            scale_into_totals(acc, s);
         }
     } else {  // groups of 16, 32, 48, ... codes: each lane quad of a step is one group's
         const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -136,14 +141,12 @@ inline void tile(const RawBf16Decoder<F>& dec, const TileArgs<Dot, kN>& t, int64
                 for (int64_t r = 0; r < kN; ++r) { acc[m][r] = _mm512_setzero_ps(); }
             }
             step(c, std::min(kStep, end - c), acc);
+            __m512 s[kN];
             for (int64_t r = 0; r < kN; ++r) {
-                const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(t.scales[r] + c / 16)));
-                for (int64_t m = 0; m < kM; ++m) { total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]); }
+                s[r] = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(t.scales[r] + c / 16)));
             }
+            scale_into_totals(acc, s);
         }
-    }
-    for (int64_t m = 0; m < kM; ++m) {
-        for (int64_t r = 0; r < kN; ++r) { _mm512_storeu_ps(totals + (m * kN + r) * 16, total[m][r]); }
     }
 }
 
@@ -224,7 +227,9 @@ void linear_tiles(const LinearArgs& a, const typename Dot::X* xs, int64_t x_stri
 }
 
 // x (m, k) rows of the binding's layout (zero-padded to kLinearPad columns) staged in the decoder's order, each
-// row 64-byte aligned (the steps' full-vector loads).
+// row 64-byte aligned (the steps' full-vector loads). The row stride is one step longer than the row: with a
+// stride of a multiple of 4 KiB (K = 4096 bf16 is 8 KiB) every row's step would sit in the same L1 sets as the
+// others' and as the weight rows' (whose stride is K bytes for 8-bit codes), and evict them.
 template <class F, class Dot>
 struct StagedX {
     using X = typename Dot::X;
@@ -232,14 +237,14 @@ struct StagedX {
     std::vector<X> storage;
     X* data;
 
-    StagedX(const LinearArgs& a) : stride(ceil_div(a.k, kStep) * kStep), storage(size_t(a.m * stride + 64))
+    StagedX(const LinearArgs& a) : stride(ceil_div(a.k, kStep) * kStep + kStep), storage(size_t(a.m * stride + 64))
     {
         const auto address = reinterpret_cast<uintptr_t>(storage.data());
         data = storage.data() + (ceil_div(int64_t(address), 64) * 64 - int64_t(address)) / int64_t(sizeof(X));
         const X* x = static_cast<const X*>(a.x);
         const int64_t in_stride = ceil_div(a.k, kLinearPad) * kLinearPad;
         for (int64_t m = 0; m < a.m; ++m) {
-            for (int64_t c0 = 0; c0 < stride; c0 += kStep) {
+            for (int64_t c0 = 0; c0 < stride - kStep; c0 += kStep) {
                 for (int64_t i = 0; i < kStep; ++i) {
                     data[m * stride + c0 + i] = x[m * in_stride + c0 + Dot::template column<RawBf16Decoder<F>>(i)];
                 }
