@@ -157,11 +157,11 @@ inline void fill_quad_scales(const float* scales, int64_t group_size, int64_t k,
     const int64_t count = ceil_div(k, 16);
     if (group_size == 16) {
         std::copy(scales, scales + count, quads);
+    } else if (group_size == 32) {  // mxfp4 / mxfp8: two quads per group
+        for (int64_t j = 0; j < count; ++j) { quads[j] = scales[j >> 1]; }
     } else {
         const int64_t per_group = group_size / 16;
-        for (int64_t j = 0, g = 0; j < count; j += per_group, ++g) {
-            std::fill(quads + j, quads + std::min(count, j + per_group), scales[g]);
-        }
+        for (int64_t j = 0; j < count; ++j) { quads[j] = scales[j / per_group]; }
     }
     std::fill(quads + count, quads + padded, 0.0f);
 }
