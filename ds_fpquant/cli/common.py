@@ -118,3 +118,8 @@ def report(env: dict, table: str, results: Sequence, json_path: Optional[str], r
         with open(json_file, "w") as fh:
             json.dump({**header, "environment": env, "results": [asdict(r) for r in results]}, fh, indent=1)
         print(f"wrote {md_path} and {json_file}")
+
+
+def ratio_text(v: Optional[float]) -> str:
+    """A table cell for a speed ratio: ``"1.23x"``, or ``"-"`` where there is none."""
+    return "-" if v is None else f"{v:.2f}x"

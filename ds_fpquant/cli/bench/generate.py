@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ds_fpquant.cli.bench import peers
-from ds_fpquant.cli.common import parse_scheme
+from ds_fpquant.cli.common import parse_scheme, ratio_text
 from ds_fpquant.tensor.quantize import quantize
 
 MIB = 2**20
@@ -293,10 +293,6 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
     return results, skipped, info
 
 
-def _x(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
 def format_table(results: Sequence[GenerateResult]) -> str:
     lines = ["| batch | model | model MiB | linear weights MiB | generate s | tokens/s | vs bf16 | prefill s | "
              "decode tokens/s | vs bf16 |",
@@ -304,8 +300,8 @@ def format_table(results: Sequence[GenerateResult]) -> str:
     for r in results:
         decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.2f}"
         lines.append(f"| {r.batch} | {r.row} | {r.model_mib:.1f} | {r.linear_mib:.1f} | {r.generate_s:.3f} | "
-                     f"{r.tokens_per_s:.2f} | {_x(r.vs_bf16)} | {r.prefill_s:.3f} | {decode} | "
-                     f"{_x(r.decode_vs_bf16)} |")
+                     f"{r.tokens_per_s:.2f} | {ratio_text(r.vs_bf16)} | {r.prefill_s:.3f} | {decode} | "
+                     f"{ratio_text(r.decode_vs_bf16)} |")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_fpquant.cli.bench import peers
-from ds_fpquant.cli.common import median_ms, parse_scheme, report
+from ds_fpquant.cli.common import median_ms, parse_scheme, ratio_text, report
 from ds_fpquant.linear import linear
 from ds_fpquant.tensor.quantize import dequantize, quantize
 
@@ -327,10 +327,6 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
     return results
 
 
-def _x(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
 def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
@@ -347,13 +343,19 @@ def format_table(results: Sequence[LinearResult]) -> str:
         mib = "-" if r.weight_bytes is None else f"{r.weight_bytes / MIB:.2f}"
         gbps = "-" if r.model_gbps is None else f"{r.model_gbps:.1f}"
         layers = "" if r.impl == READ_IMPL else f" ({r.layers} layers)"
-        lines.append(f"| {shape} | {m} | {r.impl} | {r.fmt} | {r.x} | {resident} | {_x(r.resident_vs_bf16)} | "
-                     f"{r.model_ms:.3f}{layers} | {_x(r.model_vs_bf16)} | {mib} | {gbps} | {_pct(r.of_read_bw)} |")
+        lines.append(f"| {shape} | {m} | {r.impl} | {r.fmt} | {r.x} | {resident} | {ratio_text(r.resident_vs_bf16)} | "
+                     f"{r.model_ms:.3f}{layers} | {ratio_text(r.model_vs_bf16)} | {mib} | {gbps} | {_pct(r.of_read_bw)} |")
     return "\n".join(lines)
 
 
 #: The summary's columns: bf16, the peers, then the fused rows (dequantize + matmul: the full table only).
 SUMMARY_IMPLS = ("nn.Linear bf16", "torch int8pack", "torch int4pack", "fused")
+
+
+def _titled_table(title: str, columns, headers, rows, cell) -> List[str]:
+    """A title line, a blank line (markdown wants one before a table), the M x columns grid, a blank line."""
+    return [title, "", "| M | " + " | ".join(headers) + " |", "|---|" + "---|" * len(headers),
+            *_grid(rows, columns, cell), ""]
 
 
 def _grid(rows: Sequence[LinearResult], columns: Sequence[str], text: Callable[[LinearResult], str]) -> List[str]:
@@ -376,33 +378,22 @@ def format_summary(results: Sequence[LinearResult]) -> str:
         columns = list(dict.fromkeys(r.label for r in rows))
         layers = shape_rows[0].layers
         bf16_mib = 2 * n * k * layers / MIB
-        out.append(f"{n}x{k}, bf16 x, model-sized: {layers} distinct layers per pass ({bf16_mib:.0f} MiB of bf16 "
-                   "weights); ms per layer (ratio to bf16 F.linear)")
-        out.append("")  # a blank line before each table (markdown)
-        out.append("| M | " + " | ".join(columns) + " |")
-        out.append("|---|" + "---|" * len(columns))
-        out += _grid(rows, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_bf16)})")
+        out += _titled_table(f"{n}x{k}, bf16 x, model-sized: {layers} distinct layers per pass ({bf16_mib:.0f} MiB "
+                             "of bf16 weights); ms per layer (ratio to bf16 F.linear)", columns, columns, rows,
+                             lambda r: f"{r.model_ms:.3f} ({ratio_text(r.model_vs_bf16)})")
         read_text = "" if read is None else (f": {read.model_gbps:.1f} GB/s, fp32 sum over "
                                              f"{read.weight_bytes / MIB:.0f} MiB")
-        out.append("")
-        out.append(f"{n}x{k}, bf16 x, GB/s of weight bytes read (share of the read bandwidth{read_text}); weight MiB "
-                   "per layer in the header")
-        out.append("")  # a blank line before each table (markdown)
         mib = {r.label: r.weight_bytes / MIB for r in rows}
-        out.append("| M | " + " | ".join(f"{c} ({mib[c]:.2f} MiB)" for c in columns) + " |")
-        out.append("|---|" + "---|" * len(columns))
-        out += _grid(rows, columns, lambda r: f"{r.model_gbps:.1f} ({_pct(r.of_read_bw)})")
-        out.append("")
+        out += _titled_table(f"{n}x{k}, bf16 x, GB/s of weight bytes read (share of the read bandwidth{read_text}); "
+                             "weight MiB per layer in the header", columns,
+                             [f"{c} ({mib[c]:.2f} MiB)" for c in columns], rows,
+                             lambda r: f"{r.model_gbps:.1f} ({_pct(r.of_read_bw)})")
         rows32 = [r for r in shape_rows if r.x == "fp32" and r.impl in ("nn.Linear fp32", "fused")]
         if any(r.impl == "fused" for r in rows32):
             columns = list(dict.fromkeys(r.label for r in rows32))
-            out.append(f"{n}x{k}, fp32 x, model-sized as above; ms per layer (ratio to fp32 F.linear, the fp32 "
-                       "weight)")
-            out.append("")  # a blank line before each table (markdown)
-            out.append("| M | " + " | ".join(columns) + " |")
-            out.append("|---|" + "---|" * len(columns))
-            out += _grid(rows32, columns, lambda r: f"{r.model_ms:.3f} ({_x(r.model_vs_fp32)})")
-            out.append("")
+            out += _titled_table(f"{n}x{k}, fp32 x, model-sized as above; ms per layer (ratio to fp32 F.linear, the "
+                                 "fp32 weight)", columns, columns, rows32,
+                                 lambda r: f"{r.model_ms:.3f} ({ratio_text(r.model_vs_fp32)})")
     return "\n".join(out).rstrip("\n")
 
 
