@@ -392,14 +392,16 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a)
     }
 
     if (!has_row) { return; }
+    // the row again from the block and warp indices (not kept live through the loops: no spill)
+    const int out_row = int(blockIdx.x) * kGemvWarps + int(threadIdx.x >> 5);
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
         for (int offset = 16; offset > 0; offset >>= 1) {
             total[m] = __fadd_rn(total[m], __shfl_xor_sync(kFullMask, total[m], offset));
         }
         if (lane == m && m < rows_x) {
-            const float bias = a.bias ? load_f32(static_cast<const T*>(a.bias)[row]) : 0.0f;
-            static_cast<T*>(a.y)[int64_t(m) * a.w.n + row] = store_from_f32<T>(__fadd_rn(total[m], bias));
+            const float bias = a.bias ? load_f32(static_cast<const T*>(a.bias)[out_row]) : 0.0f;
+            static_cast<T*>(a.y)[int64_t(m) * a.w.n + out_row] = store_from_f32<T>(__fadd_rn(total[m], bias));
         }
     }
 }
