@@ -9,7 +9,9 @@ Builds ``csrc/fp_quantizer/fp_quantize_cuda.cu`` (every CUDA kernel of the op) f
   target to the branch; the steady-state loop is the smallest loop that holds the most ``FFMA`` instructions (the
   products of the linear: one ``FFMA`` per weight and row of x);
 - *weights per iteration* = ``FFMA`` in that loop / rows of x the instantiation serves (its ``kRows`` template
-  argument; a kernel without one serves up to ``kGemvMaxRows`` = 16 rows, all unrolled in its loop);
+  argument; a kernel without one serves up to 16 rows, all unrolled in its loop), less one when that leaves one
+  more than a power of two: SPEC 8.1's kernels add one ``FFMA`` per chunk and row, the group scale times the
+  chunk's partial sum;
 - *instructions per weight* = the loop's instructions / weights per iteration (static counts: a predicated-off
   instruction still counts, the cost of a taken branch is not modelled);
 - registers, stack, shared memory from ``cuobjdump -res-usage``, spill bytes from ``ptxas -v``.
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-#: Rows of x a GEMV instantiation without a ``kRows`` template argument unrolls (``fpq::kGemvMaxRows``).
+#: Rows of x a GEMV instantiation without a ``kRows`` template argument unrolls (the kernel before issue 28).
 DEFAULT_ROWS = 16
 
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)\s*$", re.M)
@@ -171,6 +173,8 @@ def budgets(sass: str, res_usage: str = "", ptxas_log: str = "", match: str = "g
         fmt, dtype, rows, variant = describe(names[mangled], formats)
         loop = steady_state_loop(functions[mangled])
         weights = loop.ffma / rows if loop else 0.0
+        if weights >= 3 and weights == int(weights) and (int(weights) - 1) & (int(weights) - 2) == 0:
+            weights -= 1  # the scale's FFMA per chunk (a power of two of weights) and row
         per_weight = loop.instructions / weights if loop and weights else float("inf")
         u = usage.get(mangled, {})
         out.append(KernelBudget(names[mangled], fmt, dtype, rows, variant, loop.instructions if loop else 0, weights,
@@ -185,9 +189,18 @@ def nvcc_command(source: Path, obj: Path) -> List[str]:
     from ds_fpquant.op_builder.builder import cuda_tool
     from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # what the builder targets without a GPU
     builder = FPQuantizerBuilder()
     builder.jit_mode = False  # compute_capability_args of a JIT build would ask for a GPU
-    flags = [a for a in builder.nvcc_args() if not a.startswith(("-gencode", "--generate-code", "-arch"))]
+    flags, args = [], builder.nvcc_args()
+    skip = False
+    for a in args:  # the architecture flags are replaced by sm_90 alone ("-gencode X" or "-gencode=X")
+        if skip:
+            skip = False
+        elif a in ("-gencode", "--generate-code", "-arch"):
+            skip = True
+        elif not a.startswith(("-gencode=", "--generate-code=", "-arch=")):
+            flags.append(a)
     return [cuda_tool("nvcc"), *flags, "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-c", str(source),
             "-I", str(source.parent / "includes"), "-o", str(obj)]
 

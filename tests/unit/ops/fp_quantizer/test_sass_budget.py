@@ -74,6 +74,15 @@ def test_budget_row(sass_budget):
     assert "| e4m3 | bf16 | 16 | true | 7 |" in sass_budget.table([row])
 
 
+def test_scale_ffma_is_not_a_weight(sass_budget):
+    """A chunk of 16 weights, one row of x: 16 product FFMA and the scale's FFMA -> 16 weights per iteration."""
+    body = "".join(f"        /*{0x60 + 16 * i:04x}*/                   FFMA R12, R4, R8, R12 ;\n" for i in range(17))
+    sass = SASS.split("        /*0060*/")[0] + body + f"        /*{0x60 + 16 * 17:04x}*/              @!P0 BRA 0x60 ;\n"
+    sass = sass.replace("NS_4Bf16ELb1E", "NS_4Bf16ELi1ELb1E")  # gemv_kernel<F, Bf16, 1, true>
+    (row,) = sass_budget.budgets(sass)
+    assert row.rows == 1 and row.weights_per_iteration == 16 and row.loop_instructions == 18
+
+
 def test_rows_template_argument(sass_budget):
     formats = {(2, 1): "e2m1"}
     name = "void fpq::cuda_kernels::gemv_group_kernel<fpq::FormatTraits<2, 1, (fpq::TopCode)2>, float, 8, true>(fpq::GemvArgs)"
