@@ -8,7 +8,7 @@ not hide the kernels. Reported per (shape, M, format): ms per layer, the ratio b
 (``--peak-tbps``, 4.8 for an H200).
 
 Formats: e4m3 (G=128), e2m1 (G=32), nvfp4 and e4m3 with 128x128 blocks, weight-only through
-``ds_fpquant.linear.linear`` (the GEMV kernel up to 16 rows of x, panels of decoded rows + cuBLAS beyond),
+``ds_fpquant.linear.linear`` (the GEMV kernel up to 8 rows of x, panels of decoded rows + cuBLAS beyond),
 and ``e4m3+w8a8``: e4m3 weights in 128x128 blocks with the activations quantized per token
 (``activation="e4m3"``: this project's quantize kernel, then torch._scaled_mm's blockwise FP8 GEMM; a log
 line says so if it falls back).

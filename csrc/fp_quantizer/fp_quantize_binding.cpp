@@ -221,8 +221,8 @@ fpq::LinearArgs weight_args(const at::Tensor& codes, const at::Tensor& scales, c
 
 // y = x @ W^T (+ bias) by the fused kernels, W as for weight_args: on the CPU SPEC 8's formula (fp_linear_cpu.cpp:
 // exact codes, group partial sums times the group scale, fp32; bias added in fp32; one rounding to x's dtype),
-// any m; on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; weights rounded to x's dtype, fp32 sums, one
-// rounding of sum + bias). x: (m, k) fp32 / fp16 / bf16, contiguous. The caller may instead multiply panels of
+// any m; on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; the same formula: exact codes, group partial sums
+// times the group scale, fp32, one rounding of sum + bias). x: (m, k) fp32 / fp16 / bf16, contiguous. The caller may instead multiply panels of
 // rows decoded by decode_rows (ds_fpquant.linear.weight_only).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
                   int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
@@ -337,7 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("seed") = 0, py::arg("offset") = 0, py::arg("e8m0") = "");
     m.def("dequantize", &dequantize, "dequantize codes + scales -> (rows, k)", py::arg("codes"), py::arg("scales"),
           py::arg("k"), py::arg("fmt"), py::arg("group_size"), py::arg("dtype"));
-    m.def("linear", &linear, "y = x @ dequant(W)^T + bias, decoded on the fly (CPU; CUDA for m <= 16)", py::arg("x"),
+    m.def("linear", &linear, "y = x @ dequant(W)^T + bias, decoded on the fly (CPU; CUDA for m <= 8)", py::arg("x"),
           py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
           py::arg("bias"), py::arg("fmt"), py::arg("group_size"));
     m.def("decode_rows", &decode_rows, "rows n0 .. n1-1 of dequant(W) into out (CPU)", py::arg("codes"),

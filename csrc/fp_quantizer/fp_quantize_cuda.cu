@@ -47,8 +47,8 @@ void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream)
 
 void linear_cuda(Format fmt, const GemvArgs& args, void* stream)
 {
-    cuda_kernels::launch_gemv(fmt, args, [&](auto kernel, dim3 grid, dim3 block) {
-        kernel<<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(args);
+    cuda_kernels::launch_gemv(fmt, args, [&](auto kernel, dim3 grid, dim3 block, int shared_bytes) {
+        kernel<<<grid, block, shared_bytes, static_cast<cudaStream_t>(stream)>>>(args);
         check_launch("linear");
     });
 }

@@ -7,10 +7,12 @@ exactly and multiplies each group's partial sum by the group's scale, in fp32; f
 weight rows decoded in fp32 (``fl(decode(q) * s)``) go through torch's fp32 matmul. The torch backend computes the
 fused kernel's formula in plain torch (``ds_fpquant.ops.torch_backend.linear``), on any device.
 
-On CUDA tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV kernel (one warp per
-weight row, codes read once, fp32 sums); more rows decode panels of ``CUDA_PANEL_BYTES`` of weight rows in ``x``'s
-dtype for cuBLAS, never the whole weight. Both CUDA paths still multiply by ``dequantize(W, x.dtype)``, the weights
-rounded to ``x``'s dtype (SPEC 8 says what that costs; the CUDA GEMV's rewrite to the group formula is issue 28).
+On CUDA tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV kernel, which computes
+SPEC 8.1's formula like the CPU kernel (each code decoded exactly, group partial sums times the group scale, fp32;
+one warp per weight row, codes read once, x staged in shared memory, every decoded weight used by every row of x);
+more rows decode panels of ``CUDA_PANEL_BYTES`` of weight rows in ``x``'s dtype for cuBLAS, never the whole weight
+(those still multiply by ``dequantize(W, x.dtype)``, the weights rounded to ``x``'s dtype: SPEC 8.1 says what that
+costs).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ SMALL_M = {torch.float32: 32, torch.bfloat16: 32, torch.float16: 32}
 PANEL_BYTES = 8 * 2**20
 
 
-#: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``).
-GEMV_MAX_ROWS = 16
+#: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``): up to 8 rows share each
+#: decoded weight; more rows take the panels + cuBLAS.
+GEMV_MAX_ROWS = 8
 
 
 #: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),

@@ -52,7 +52,7 @@ def exact_weight(qt):
 def assert_linear_within_bound(x, qt, bias, y, weights="exact"):
     """``y`` of a quantized linear against fp64 ``x @ w^T + bias``, SPEC 8's bound. ``weights="exact"`` (every CPU
     path and the torch backend): ``w`` = :func:`exact_weight`, the codes times their group scales exactly;
-    ``"rounded"`` (the CUDA GEMV and panels, until issue 28): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in
+    ``"rounded"`` (the CUDA panels): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in
     x's dtype. Either way the path differs from the reference only in the order and rounding of its fp32 sums
     (and one rounding to x's dtype): :func:`assert_product_within_bound`."""
     if weights == "exact":

@@ -69,17 +69,22 @@ struct LinearArgs {
     int64_t row_bytes = 0;
 };
 
-// The fp32 scale of group g of weight row n (SPEC 3.1; 3.2: 2^(b - 127), byte 255 is NaN; 3.4 NVFP4:
-// fl(decode_e4m3(c) * t), the NaN code gives NaN); 2-D blocks have one scale row per block_rows rows.
-FPQ_HD float linear_scale_at(const LinearArgs& a, int64_t n, int64_t g)
+// The fp32 scale at `index` of LinearArgs::scales (SPEC 3.1; 3.2: 2^(b - 127), byte 255 is NaN; 3.4 NVFP4:
+// fl(decode_e4m3(c) * t), the NaN code gives NaN).
+FPQ_HD float linear_scale_of(const LinearArgs& a, int64_t index)
 {
-    const int64_t index = (n / a.block_rows) * a.scale_cols + g;
     if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
     const uint32_t byte = static_cast<const uint8_t*>(a.scales)[index];
     if (a.scale_kind == LinearScale::kE8m0) {
         return byte == kE8m0Nan ? bits_f32(kF32QuietNan) : pow2f(int(byte) - kE8m0Bias);
     }
     return mul_rn(decode<E4M3>(byte), a.tensor_scale);
+}
+
+// The scale of group g of weight row n; 2-D blocks have one scale row per block_rows rows.
+FPQ_HD float linear_scale_at(const LinearArgs& a, int64_t n, int64_t g)
+{
+    return linear_scale_of(a, (n / a.block_rows) * a.scale_cols + g);
 }
 
 // "e4m3, e5m2, ...": the formats of FPQ_FORMATS, for error messages.
@@ -128,11 +133,11 @@ void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
 // The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
 // bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();
-// y = x @ dequant(W)^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh): each
-// weight is rounded to x's dtype (SPEC 5), products and sums in fp32, one rounding of sum + bias to x's
-// dtype. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k, group_size,
-// row_bytes), m <= kGemvMaxRows and weight_dtype = x's dtype; its x and y are not used.
-constexpr int kGemvMaxRows = 16;
+// y = x @ W^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh), SPEC 8.1's formula: exact
+// codes, group partial sums times the group scale, fp32, bias added in fp32, one rounding to x's dtype. `w` holds
+// the weight as for linear_cpu (codes, scales and their layout, n, k, group_size, row_bytes), m <= kGemvMaxRows
+// and weight_dtype = x's dtype; its x and y are not used.
+constexpr int kGemvMaxRows = 8;
 struct GemvArgs {
     LinearArgs w;
     const void* x = nullptr;     // (m, k) of w.weight_dtype, contiguous

@@ -52,13 +52,19 @@ MUTANTS = {
         "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
     "stochastic rounding reads the wrong Philox word": (
         KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
-    "GEMV chunk one element too long (reads x past the row)": (
-        GEMV, "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk);",
-        "const int64_t n_valid = min(int64_t(kGemvChunk), glen - c * kGemvChunk + 1);"),
+    "GEMV x tile staged one element past a ragged group (reads x past the row)": (
+        GEMV, "valid = c * kCodes + pos < min(group_size, k - g * group_size);",
+        "valid = c * kCodes + pos <= min(group_size, k - g * group_size);"),
     "GEMV warp sum one shuffle step short": (
         GEMV, "for (int offset = 16; offset > 0; offset >>= 1) {", "for (int offset = 16; offset > 1; offset >>= 1) {"),
-    "GEMV reads the scale of the wrong group": (
-        GEMV, "const float s = linear_scale_at(a.w, row, g);", "const float s = linear_scale_at(a.w, row, f % n_groups);"),
+    "GEMV multiplies a chunk's partial sums by the next group's scale": (
+        GEMV, "a.w.scale_cols + f / chunks_per_group);", "a.w.scale_cols + (f / chunks_per_group + 1) % n_groups);"),
+    "GEMV reads the x tile without waiting for the block to stage it (no __syncthreads)": (
+        GEMV, "        __syncthreads();\n\n        // 2. the warp's row", "\n        // 2. the warp's row"),
+    "GEMV e2m1 selector picks the wrong bytes (codes 7, 3 instead of 3, 7)": (
+        GEMV, "pair(__byte_perm(odd, 0u, 0x4431), w[i]);", "pair(__byte_perm(odd, 0u, 0x4413), w[i]);"),
+    "GEMV e5m2 pair permute swaps the two codes": (
+        GEMV, "h[2 * i] = __byte_perm(w[i], 0u, 0x1404);", "h[2 * i] = __byte_perm(w[i], 0u, 0x0414);"),
     "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
         CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }
@@ -88,9 +94,11 @@ def battery(op: EmulatedCudaOp) -> None:
     check(op, special_input((7, 13), torch.float16, seed=3), "e3m2", 8)
     check(op, special_input((4, 37), torch.float32, seed=4), "e4m3", 37, rounding="stochastic", seed=9, offset=3)
     check(op, torch.tensor([[3.4028235e38] + [1.0] * 31]), "mxfp4")  # E8M0 scale at the top of fp32
-    qt = fpq.quantize(torch.randn(11, 129), "e4m3", 48)  # the GEMV: ragged groups, a partial block of rows
-    x, bias = torch.randn(3, 129).to(torch.bfloat16), torch.randn(11).to(torch.bfloat16)
-    assert_linear_within_bound(x, qt, bias, run_gemv(op, x, qt, bias), weights="rounded")
+    # the GEMV: ragged groups and a partial block of rows; whole groups (the kFull loop) of 4- and 8-bit codes
+    for fmt, rows, k, group_size in [("e4m3", 3, 129, 48), ("e2m1", 2, 256, 32), ("e5m2", 1, 128, 64)]:
+        qt = fpq.quantize(torch.randn(11, k), fmt, group_size)
+        x, bias = torch.randn(rows, k).to(torch.bfloat16), torch.randn(11).to(torch.bfloat16)
+        assert_linear_within_bound(x, qt, bias, run_gemv(op, x, qt, bias))
     op.misalign = {"x": 2, "out": 2, "codes": 1}
     check(op, special_input((3, 136), torch.bfloat16, seed=5), "e4m3", 64, out_dtypes=[torch.bfloat16])
     op.misalign, op.max_blocks = {}, 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ds_fpquant as fpq
-from ds_fpquant.numerics.formats import traits_table
+from ds_fpquant.numerics.formats import get_format, traits_table
 from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
 from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
@@ -192,8 +192,9 @@ def test_standalone_nvcc_sm90_sass(tmp_path):
                            capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-4000:]
     usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", build.stderr)
-    assert len(usage) == 8 * 6 * 3, ("quantize (RNE, stochastic), dequantize and GEMV kernels, each with 16-byte "
-                                     "element accesses or without (chosen per launch), per format and dtype")
+    assert len(usage) == (4 + 2 + 8) * 6 * 3, (
+        "quantize (RNE, stochastic) and dequantize kernels with 16-byte element accesses or without (chosen per "
+        "launch), GEMV kernels for 1, 2, 4, 8 rows of x, whole groups or ragged, per format and dtype")
     assert all(u == ("0", "0", "0") for u in usage), usage
     try:
         cuobjdump = cuda_tool("cuobjdump")
@@ -265,3 +266,36 @@ def test_prebuilt_cpu_op_install(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(target)), timeout=300)
     assert out.returncode == 0 and str(target) in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+#: Issue 28's instruction budget of the GEMV's steady-state loop on H200, per weight, by code bits: M=1 (one row of
+#: x) and M=8. The issue asks <= 4 at M=1 for 6- and 4-bit codes; the kernel is not there yet (e2m1 5.4, FP6 7.9 at
+#: the last measurement, README), so those two rows hold today's counts as a ceiling against regressions.
+M1_BUDGET = {8: 6.0, 4: 5.5, 6: 8.0, 12: 8.5}
+M8_BUDGET = 24.0
+
+
+def test_gemv_sass_instruction_budget(tmp_path):
+    """scripts/sass_budget.py on the CUDA op's kernels built for sm_90 with the builder's flags: every GEMV that takes
+    whole groups (the `true` variant) is inside the budget per weight at M=1 and M=8, and no GEMV spills."""
+    python = _cuda_python()
+    _nvcc()
+    out = tmp_path / "budget.json"
+    env = dict(os.environ, CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"), PYTHONPATH=str(REPO))
+    run = subprocess.run([python, str(REPO / "scripts" / "sass_budget.py"), "--json", str(out)], capture_output=True,
+                         text=True, env=env, timeout=1500)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    import json
+
+    rows = json.loads(out.read_text())
+    bits = {name: get_format(name).bits for name in fpq.FORMATS}
+    assert {(r["fmt"], r["dtype"], r["rows"], r["variant"]) for r in rows} == {
+        (f, d, m, v) for f in fpq.FORMATS for d in ("fp32", "fp16", "bf16") for m in (1, 2, 4, 8)
+        for v in ("true", "false")}
+    over = [r for r in rows if r["variant"] == "true" and r["instructions_per_weight"] > (
+        M1_BUDGET[bits[r["fmt"]]] if r["rows"] == 1 else M8_BUDGET if r["rows"] == 8 else float("inf"))]
+    assert not over, "\n".join(f"{r['fmt']} {r['dtype']} M={r['rows']}: {r['instructions_per_weight']} instructions "
+                                f"per weight ({r['loop_instructions']} for {r['weights_per_iteration']} weights)"
+                                for r in over)
+    assert all(r["weights_per_iteration"] == (32 if bits[r["fmt"]] == 4 else 16) for r in rows), rows
+    assert all(r["spill_bytes"] == 0 and r["stack"] == 0 for r in rows), [r for r in rows if r["spill_bytes"]]

@@ -17,8 +17,16 @@
 //   of cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32, independently of the project's codec: round to nearest
 //   even, |x| above the largest finite value (Inf included) gives the sign-preserved largest finite
 //   value, NaN gives the NaN code 0x7F; input a (the float2's .y) goes to the upper byte.
-// - Vector types carry CUDA's alignment (uint4/float4: 16 bytes), so a vector access through a
+// - Vector types carry CUDA's alignment (uint4/float4: 16 bytes, uint2: 8), so a vector access through a
 //   misaligned pointer is reported by -fsanitize=alignment, as it faults on a GPU.
+// - The GEMV's intrinsics, each from its PTX ISA definition: __byte_perm (prmt.b32, default mode: result byte n is
+//   byte s[4n+2:4n] of {y, x}; a selector nibble with bit 3 set, where prmt and the CUDA documentation of
+//   __byte_perm disagree, is reported), cvt.rn.f16x2.e4m3x2 (__nv_cvt_fp8x2_to_halfraw2: exact, NaN to NaN, the
+//   upper byte to the upper half), mul.rn.f16x2 (__hmul2: IEEE binary16 product rounded to nearest even,
+//   subnormals kept, NaN canonical 0x7FFF), cvt.f32.f16 (__low2float / __high2float: exact).
+// - Dynamic shared memory (FPQ_DYNAMIC_SHARED, the kernels' `extern __shared__`): one heap buffer of exactly the
+//   launch's bytes per block (ASan reports any access past it), filled with 0xFF (fp32 NaN) before each block
+//   runs, so a read before the writes a __syncthreads should have waited for shows up as NaN.
 // Every reported fault prints "cuda-emulation: ..." on stderr and aborts the process.
 #pragma once
 
@@ -28,6 +36,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -58,6 +67,9 @@ struct uint3 {
 struct dim3 {
     unsigned x, y, z;
     constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
 };
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
@@ -169,6 +181,89 @@ inline __nv_fp8x2_storage_t __nv_cvt_float2_to_fp8x2(float2 x, __nv_saturation_t
     if (saturate != __NV_SATFINITE) { fpq_emu::fail("__nv_cvt_float2_to_fp8x2 is emulated for __NV_SATFINITE only"); }
     return __nv_fp8x2_storage_t(fpq_emu::cvt_rn_satfinite_fp8(x.y, interp) << 8 |
                                 fpq_emu::cvt_rn_satfinite_fp8(x.x, interp));
+}
+
+// ---- f16 pairs, byte permute, fp8 -> f16 (the GEMV's intrinsics) --------------------------------
+struct alignas(4) __half2 {
+    unsigned short x, y;  // bits of the low and the high half
+};
+struct __half2_raw {
+    unsigned short x, y;
+};
+
+namespace fpq_emu {
+
+// The value of binary16 bits, exactly (every f16 is a double).
+inline double f16_value(unsigned short h)
+{
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const double sign = (h & 0x8000) ? -1.0 : 1.0;
+    if (e == 0x1f) { return m ? std::nan("") : sign * INFINITY; }
+    return sign * (e == 0 ? std::ldexp(double(m), -24) : std::ldexp(1024.0 + m, e - 25));
+}
+
+// binary16 bits of v rounded to nearest, ties to even (IEEE 754; overflow to Inf; NaN canonical 0x7FFF).
+inline unsigned short f16_round(double v)
+{
+    if (std::isnan(v)) { return 0x7fff; }
+    const unsigned short sign = std::signbit(v) ? 0x8000 : 0;
+    const double a = std::fabs(v);
+    if (a >= 65520.0) { return sign | 0x7c00; }  // 65504 + half an ulp (32) ties to even: Inf
+    if (a == 0.0) { return sign; }
+    int e;
+    std::frexp(a, &e);                       // a = f 2^e, f in [0.5, 1): the leading bit is 2^(e-1)
+    const int quantum = std::max(e - 11, -24);  // 10 fraction bits; the subnormal step 2^-24
+    const double r = std::nearbyint(std::ldexp(a, -quantum)) * std::ldexp(1.0, quantum);  // default mode: RNE
+    if (r == 0.0) { return sign; }
+    std::frexp(r, &e);
+    if (e - 1 < -14) { return sign | (unsigned short)std::ldexp(r, 24); }
+    return sign | (unsigned short)((e - 1 + 15) << 10) | (unsigned short)(std::ldexp(r, 11 - e) - 1024.0);
+}
+
+// cvt.rn.f16x2.e4m3x2 / .e5m2x2 of one byte: the fp8 value (exact in f16), NaN to the canonical f16 NaN.
+inline unsigned short fp8_to_f16(unsigned byte, bool e4m3)
+{
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const unsigned e = (byte >> mbits) & (e4m3 ? 0xfu : 0x1fu), m = byte & ((1u << mbits) - 1);
+    const double sign = (byte & 0x80) ? -1.0 : 1.0;
+    if (e4m3 ? (byte & 0x7f) == 0x7f : e == 0x1f) {
+        return (e4m3 || m) ? (unsigned short)0x7fff : (unsigned short)((byte & 0x80) << 8 | 0x7c00);
+    }
+    const double mag = e == 0 ? std::ldexp(double(m), 1 - bias - mbits)
+                              : std::ldexp(1.0 + std::ldexp(double(m), -mbits), int(e) - bias);
+    return f16_round(sign * mag);
+}
+
+}  // namespace fpq_emu
+
+inline float __low2float(__half2 h) { return float(fpq_emu::f16_value(h.x)); }
+inline float __high2float(__half2 h) { return float(fpq_emu::f16_value(h.y)); }
+inline __half2 __hmul2(__half2 a, __half2 b)
+{
+    // the exact product of two binary16 values (11-bit significands) is a double; one rounding to binary16
+    return {fpq_emu::f16_round(fpq_emu::f16_value(a.x) * fpq_emu::f16_value(b.x)),
+            fpq_emu::f16_round(fpq_emu::f16_value(a.y) * fpq_emu::f16_value(b.y))};
+}
+
+inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t x, __nv_fp8_interpretation_t interp)
+{
+    const bool e4m3 = interp == __NV_E4M3;
+    return {fpq_emu::fp8_to_f16(x & 0xffu, e4m3), fpq_emu::fp8_to_f16(unsigned(x) >> 8, e4m3)};
+}
+
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s)
+{
+    const uint64_t bytes = uint64_t(y) << 32 | x;  // byte 0..3 of x, 4..7 of y
+    unsigned out = 0;
+    for (int n = 0; n < 4; ++n) {
+        const unsigned sel = (s >> (4 * n)) & 0xfu;
+        if (sel & 8u) {
+            fpq_emu::fail("__byte_perm selector 0x%04x: nibble %d has bit 3 set (prmt's sign-replicate mode; "
+                          "__byte_perm is documented to use the low 3 bits only)", s & 0xffffu, n);
+        }
+        out |= unsigned((bytes >> (8 * sel)) & 0xffu) << (8 * n);
+    }
+    return out;
 }
 
 // ---- fiber contexts ------------------------------------------------------------------------------
@@ -287,6 +382,7 @@ struct Launch {
     Context scheduler;
     Context finished;  // where an exiting thread's last context is saved (never resumed)
     const std::function<void()>* body = nullptr;
+    std::vector<unsigned char>* shared = nullptr;  // the block's dynamic shared memory (exact size)
 #if defined(FPQ_EMU_ASAN)
     const void* scheduler_stack = nullptr;
     size_t scheduler_stack_size = 0;
@@ -497,6 +593,7 @@ inline void run_block(Launch& l, uint3 block_idx, bool reverse)
 {
     const int n = int(l.block.x * l.block.y * l.block.z);
     l.block_idx = block_idx;
+    if (l.shared) { std::memset(l.shared->data(), 0xff, l.shared->size()); }  // stale shared memory reads as NaN
     l.threads.assign(size_t(n), Thread{});
     for (int i = 0; i < n; ++i) {
         Thread& t = l.threads[size_t(i)];
@@ -546,8 +643,10 @@ struct LaunchStats {
 
 // Runs `body` (the kernel call) as every thread of every block of grid x block. Blocks run in order,
 // or in reverse order (and each block's threads are first scheduled in reverse) when `reverse`.
-inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& body, bool reverse = false)
+inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& body, bool reverse = false,
+                          size_t shared_bytes = 0)
 {
+    if (shared_bytes > (size_t(227) << 10)) { fail("launch with %zu bytes of dynamic shared memory (sm_90: <= 227 KiB)", shared_bytes); }
     if (block.x * block.y * block.z == 0 || block.x * block.y * block.z > 1024 || block.z > 64) {
         fail("launch with %u x %u x %u threads per block (allowed: 1..1024, z <= 64)", block.x, block.y, block.z);
     }
@@ -557,6 +656,8 @@ inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& bo
     if (active() != nullptr) { fail("nested launch"); }
     Launch l;
     l.grid = grid, l.block = block, l.body = &body;
+    std::vector<unsigned char> shared(shared_bytes);
+    l.shared = shared_bytes ? &shared : nullptr;
     active() = &l;
     const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
     for (uint64_t i = 0; i < total; ++i) {
@@ -578,6 +679,18 @@ inline LaunchStats launch(dim3 grid, dim3 block, const std::function<void()>& bo
 #define warpSize 32
 
 inline void __syncthreads() { fpq_emu::sync_threads(); }
+
+// The kernel's dynamic shared memory: `type* name`, the launch's buffer (no launch gave any: reported).
+namespace fpq_emu {
+template <class T>
+T* dynamic_shared()
+{
+    Launch* l = active();
+    if (l == nullptr || l->shared == nullptr) { fail("dynamic shared memory used by a launch that has none"); }
+    return reinterpret_cast<T*>(l->shared->data());
+}
+}  // namespace fpq_emu
+#define FPQ_DYNAMIC_SHARED(type, name) type* name = ::fpq_emu::dynamic_shared<type>()
 
 #define __shfl_sync(mask, var, lane, ...) \
     ::fpq_emu::warp_exchange(::fpq_emu::ShflKind::kIdx, mask, var, lane, FPQ_EMU_WIDTH(__VA_ARGS__), __FILE__, __LINE__)

@@ -232,7 +232,7 @@ class EmulatedCudaOp:
 
 
     def linear(self, x, codes, scales, scale_kind, block_rows, tensor_scale, bias, fmt, group_size):
-        """The CUDA binding's linear for m <= 16 rows (the GEMV kernel): x (m, k) fp32/fp16/bf16, codes
+        """The CUDA binding's linear for m <= 8 rows (the GEMV kernel): x (m, k) fp32/fp16/bf16, codes
         (n, row_bytes), scales ``(ceil(n / block_rows), ceil(k / G))`` of ``scale_kind`` ("fp32", "e8m0",
         "e4m3" with ``tensor_scale``), optional bias (n,) -> y (m, n) of x's dtype."""
         f = get_format(fmt)

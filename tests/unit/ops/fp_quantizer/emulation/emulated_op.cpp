@@ -238,8 +238,8 @@ void serve(const Request& req)
             a.w.weight_dtype = dtype, a.w.m = m, a.w.n = n, a.w.k = k, a.w.group_size = g;
             a.w.row_bytes = fpq::row_bytes(k, g, bits);
             a.x = x.data, a.bias = req.has_bias ? bias.data : nullptr, a.y = outs[pass]->data;
-            fpq::cuda_kernels::launch_gemv(fmt, a, [&](auto kernel, dim3 grid, dim3 block) {
-                const auto stats = fpq_emu::launch(grid, block, [&] { kernel(a); }, pass == 1);
+            fpq::cuda_kernels::launch_gemv(fmt, a, [&](auto kernel, dim3 grid, dim3 block, int shared_bytes) {
+                const auto stats = fpq_emu::launch(grid, block, [&] { kernel(a); }, pass == 1, size_t(shared_bytes));
                 resp.launched = 1, resp.grid_x = grid.x, resp.block_x = block.x, resp.threads = stats.threads;
                 resp.switches += stats.switches;
             });
