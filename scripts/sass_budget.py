@@ -115,8 +115,8 @@ def demangle(names: List[str]) -> Dict[str, str]:
 
 def _format_names() -> Dict[Tuple[int, int], str]:
     sys.path.insert(0, str(REPO))
-    from ds_fpquant.numerics.formats import get_format
     import ds_fpquant as fpq
+    from ds_fpquant.numerics.formats import get_format
 
     return {(get_format(f).ebits, get_format(f).mbits): f for f in fpq.FORMATS}
 
