@@ -32,10 +32,11 @@ from ds_fpquant.numerics.choices import (
     ALL_SCALE_FORMATS,
     BACKENDS,
     COMPUTE_DTYPE_NAMES,
+    GRANULARITIES,
     ROUNDINGS,
     SCALE_FORMATS,
 )
-from ds_fpquant.numerics.formats import FORMATS, PRESETS, resolve_scaling, w8a8_weight_problem
+from ds_fpquant.numerics.formats import FORMATS, PRESETS, resolve_granularity, resolve_scaling, w8a8_weight_problem
 
 #: The top-level key of the section in a DeepSpeed config.
 SECTION = "fp_quantization"
@@ -58,12 +59,22 @@ Rounding = Literal[ROUNDINGS]
 ComputeDtype = Literal[COMPUTE_DTYPE_NAMES]
 
 
+#: "tensor": one scale per weight matrix; "channel": one per output row (SPEC 2).
+Granularity = Literal[GRANULARITIES]
+
+
 Activation = Literal[ACTIVATIONS]
 
 
 def _check_fmt(value):
     if value is not None and value not in FORMATS and value not in PRESETS:
         raise ValueError(f"fmt={value!r} is not supported; allowed: {', '.join([*FORMATS, *PRESETS])}")
+    return value
+
+
+def _check_block(value):
+    if value is not None and min(value) < 1:
+        raise ValueError(f"block={value!r}: both block sizes must be >= 1")
     return value
 
 
@@ -83,10 +94,12 @@ class ModuleOverride(DeepSpeedConfigModel):
     fmt: Optional[str] = None
     group_size: Optional[int] = Field(None, ge=1)
     block: Optional[Tuple[int, int]] = None
+    granularity: Optional[Granularity] = None
     scale_format: Optional[ScaleFormat] = None
     rounding: Optional[Rounding] = None
 
     _fmt = field_validator("fmt")(_check_fmt)
+    _block = field_validator("block")(_check_block)
 
 
 class FPQuantizationConfig(DeepSpeedConfigModel):
@@ -96,12 +109,18 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
     ``"e8m0"`` for MX, G=16 and e4m3 scale codes for ``"nvfp4"``); a preset refuses other given values.
     A ``modules`` override that sets ``fmt`` to a preset starts from the preset's own scaling: the
     section's ``group_size``, ``block`` and ``scale_format`` are not carried into it.
+
+    ``granularity``: ``"tensor"`` (one scale per weight matrix, ``block=(WHOLE, WHOLE)``) or ``"channel"`` (one
+    per output row, ``group_size=WHOLE``), instead of ``group_size`` / ``block`` (``WHOLE = 2**31 - 1``; a block
+    or group side at least the matrix side means the whole side, SPEC 2). In a ``modules`` override, any of
+    ``granularity``, ``group_size`` and ``block`` replaces the section's scaling.
     """
 
     enabled: bool = True
     fmt: str = "e4m3"
     group_size: Optional[int] = Field(None, ge=1)
     block: Optional[Tuple[int, int]] = None
+    granularity: Optional[Granularity] = None
     scale_format: Optional[ScaleFormat] = None
     rounding: Rounding = "nearest"
     modules: Dict[str, ModuleOverride] = Field(default_factory=dict)
@@ -127,12 +146,7 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
         _check_patterns(value.keys())
         return value
 
-    @field_validator("block")
-    @classmethod
-    def _block_positive(cls, value):
-        if value is not None and min(value) < 1:
-            raise ValueError(f"block={value!r}: both block sizes must be >= 1")
-        return value
+    _block = field_validator("block")(_check_block)
 
     @model_validator(mode="after")
     def _presets_consistent(self):
@@ -146,24 +160,26 @@ class FPQuantizationConfig(DeepSpeedConfigModel):
 
     def settings(self, override: Optional[ModuleOverride] = None) -> Dict[str, Any]:
         """Keyword arguments of :func:`ds_fpquant.quantize` of the section (``override``: with a ``modules``
-        override applied): ``fmt``, ``group_size``, ``block``, ``scale_format`` (resolved) and ``rounding``.
+        override applied): ``fmt``, ``group_size``, ``block``, ``scale_format`` (resolved; ``granularity`` as its
+        block / group) and ``rounding``.
 
         Raises:
             ValueError: settings that contradict each other (see :func:`ds_fpquant.numerics.formats.resolve_scaling`)
                 or W8A8 with weights it cannot take.
         """
-        settings = dict(fmt=self.fmt, group_size=self.group_size, block=self.block,
+        settings = dict(fmt=self.fmt, group_size=self.group_size, block=self.block, granularity=self.granularity,
                         scale_format=self.scale_format, rounding=self.rounding)
         if override is not None:
             given = {k: v for k, v in override.model_dump(exclude={"enabled"}).items() if v is not None}
             if given.get("fmt") in PRESETS:  # a preset brings its own scaling
-                settings.update(group_size=None, block=None, scale_format=None)
-            if "block" in given:  # the override's blocks replace the section's groups, and back
-                settings["group_size"] = None
-            if "group_size" in given:
-                settings["block"] = None
+                settings.update(group_size=None, block=None, granularity=None, scale_format=None)
+            scaling = ("group_size", "block", "granularity")
+            if any(key in given for key in scaling):  # the override's scaling replaces the section's
+                settings.update({key: None for key in scaling})
             settings.update(given)
         fmt = settings["fmt"]
+        settings["group_size"], settings["block"] = resolve_granularity(
+            fmt, settings.pop("granularity"), settings["group_size"], settings["block"])
         settings["group_size"], settings["scale_format"], block = resolve_scaling(
             fmt, settings["group_size"], settings["block"], settings["scale_format"])
         if fmt not in PRESETS and settings["scale_format"] not in SCALE_FORMATS:

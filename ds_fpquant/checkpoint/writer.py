@@ -42,7 +42,7 @@ from ds_fpquant.checkpoint.hf_files import (
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
 from ds_fpquant.nn.model_walk import linear_modules
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
-from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES
+from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, resolve_granularity
 from ds_fpquant.tensor.quantize import check_settings, quantize
 from ds_fpquant.tensor.slicing import split_rows
 
@@ -51,7 +51,8 @@ __all__ = ["PartialBlocksWarning", "quantize_checkpoint", "save_quantized"]
 DEFAULT_BLOCK = (128, 128)
 
 
-def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude: Sequence[str]):
+def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude: Sequence[str],
+              granularity: Optional[str] = None):
     """The :class:`~ds_fpquant.config.FPQuantizationConfig` of a checkpoint run, its layout name and
     the ``quantization_config`` fields that describe the codes; ``ValueError``/``TypeError`` for bad
     arguments."""
@@ -65,6 +66,7 @@ def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude:
         block = check_settings(fmt, block=block, scale_format=scale_format)[2]
     if group_size is not None:
         group_size = checks.check_int("group_size", group_size, 1)
+    group_size, block = resolve_granularity(fmt, granularity, group_size, block)  # tensor / channel: SPEC 2
     if isinstance(exclude, (str, bytes)) or not all(isinstance(p, str) for p in exclude):
         raise TypeError(f"exclude must be a list of regular expressions (str), got {exclude!r}")
     for pattern in exclude:
@@ -94,7 +96,8 @@ class PartialBlocksWarning(UserWarning):
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
                         group_size: Optional[int] = None, scale_format: Optional[str] = None,
                         exclude: Sequence[str] = (), backend: str = "auto", allow_partial_blocks: bool = False,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Dict[str, Any]:
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
+                        granularity: Optional[str] = None) -> Dict[str, Any]:
     """Quantize the linear weights and the expert weights of the Hugging Face model directory ``src``
     into ``dst``.
 
@@ -111,6 +114,10 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         block: ``(Br, Bc)`` scale blocks; default ``(128, 128)`` for element formats unless
             ``group_size`` is given (presets bring their own groups).
         group_size: row groups of ``G`` along ``in_features`` instead of blocks.
+        granularity: instead of ``block`` / ``group_size``: ``"tensor"`` (one scale per weight matrix, written as
+            blocks ``[2**31 - 1, 2**31 - 1]``: a side at least the matrix side is the whole side, SPEC 2) or
+            ``"channel"`` (one scale per output row: groups of ``2**31 - 1``, blocks ``[1, 2**31 - 1]`` in the
+            block-FP8 layout). Experts' gate and up then get a scale each (a block of rows would span both).
         scale_format: ``"fp32"`` or ``"e8m0"`` (SPEC 3); ``None``: ``"fp32"``, or the preset's own.
         exclude: regular expressions (``re.search`` on module names) of linears to keep unquantized,
             on top of :data:`ds_fpquant.config.DEFAULT_EXCLUDE` (embeddings, output heads).
@@ -146,7 +153,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     checks.check_choice("backend", backend, BACKENDS)
     if backend == "cuda" and not torch.cuda.is_available():
         raise ValueError("backend='cuda' needs a CUDA device; none is available here (use 'auto' or 'cpu')")
-    config, method, layout = _settings(fmt, block, group_size, scale_format, exclude)
+    config, method, layout = _settings(fmt, block, group_size, scale_format, exclude, granularity)
     hf_config = read_config(src)
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"src={str(src)!r} is already quantized: quantization_config="

@@ -8,7 +8,7 @@ import argparse
 def quantize_parser():
     """The argument parser of ``ds-fpquant quantize``; its choices come from :mod:`ds_fpquant.numerics.choices`."""
     from ds_fpquant.checkpoint.hf_files import DEFAULT_MAX_SHARD_BYTES
-    from ds_fpquant.numerics.choices import ALL_SCALE_FORMATS, BACKENDS
+    from ds_fpquant.numerics.choices import ALL_SCALE_FORMATS, BACKENDS, GRANULARITIES
     from ds_fpquant.numerics.formats import FORMATS, PRESETS
 
     parser = argparse.ArgumentParser(
@@ -24,6 +24,9 @@ def quantize_parser():
     scaling.add_argument("--block", nargs=2, type=int, metavar=("BR", "BC"),
                          help="2-D scale blocks (default 128 128 for element formats)")
     scaling.add_argument("--group-size", type=int, metavar="G", help="row groups of G along in_features instead")
+    scaling.add_argument("--granularity", choices=list(GRANULARITIES),
+                         help="tensor: one scale per weight matrix; channel: one per output row (instead of blocks "
+                              "or groups; docs/spec.md SPEC 2)")
     parser.add_argument("--scale-format", choices=list(ALL_SCALE_FORMATS),
                         help="scale format (SPEC 3; default fp32, or the preset's own; e4m3 is nvfp4's)")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
@@ -55,7 +58,8 @@ def quantize_main(argv=None) -> int:
         with warnings.catch_warnings():  # the command prints the kept weights itself
             warnings.simplefilter("ignore", PartialBlocksWarning)
             summary = quantize_checkpoint(args.src, args.dst, args.fmt, block=tuple(args.block) if args.block else None,
-                                          group_size=args.group_size, scale_format=args.scale_format,
+                                          group_size=args.group_size, granularity=args.granularity,
+                                          scale_format=args.scale_format,
                                           exclude=args.exclude, backend=args.backend,
                                           allow_partial_blocks=args.allow_partial_blocks,
                                           max_shard_bytes=args.max_shard_size * 2**20, progress=not args.no_progress)
@@ -64,6 +68,8 @@ def quantize_main(argv=None) -> int:
     qc = summary["quantization_config"]
     scaling_text = (f"blocks {qc['weight_block_size'][0]}x{qc['weight_block_size'][1]}" if qc.get("weight_block_size")
                     else f"groups of {qc.get('group_size')}")
+    if args.granularity:
+        scaling_text = f"one scale per {'matrix' if args.granularity == 'tensor' else 'output row'}"
     print(f"{args.dst}: {summary['quantized']} linear and expert weights quantized to {args.fmt} ({scaling_text}, "
           f"quant_method {qc['quant_method']!r}), {summary['copied']} tensors copied unchanged; weights "
           f"{summary['bytes_before'] / 2**20:.2f} MiB -> {summary['bytes_after'] / 2**20:.2f} MiB; "

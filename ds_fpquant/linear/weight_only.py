@@ -56,10 +56,16 @@ def scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
     """(scales as stored, 2-D; their kind for the op; weight rows per scale row; NVFP4 tensor scale)."""
     n, k = qt.shape
     kind = "e4m3" if qt.fmt == "nvfp4" else qt.scale_format
-    block_rows = qt.block[0] if qt.block is not None else 1  # blocks: qt.group_size is Bc
+    block_rows = min(qt.block[0], max(n, 1)) if qt.block is not None else 1  # blocks: qt.group_size is Bc
     scales = qt.scales.reshape(ceil_div(n, block_rows), ceil_div(k, qt.group_size)).contiguous()
     tensor_scale = float(qt.tensor_scale) if qt.tensor_scale is not None else 1.0
     return scales, kind, block_rows, tensor_scale
+
+
+def _group(qt: QuantizedTensor) -> int:
+    """The group size the kernels take: ``qt.group_size``, or ``K`` where the group spans the row (SPEC 2: one group
+    of ``K``, the same packing)."""
+    return min(qt.group_size, max(qt.shape[1], 1))
 
 
 def _packed_codes(qt: QuantizedTensor) -> torch.Tensor:
@@ -73,7 +79,7 @@ def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tenso
     """The backend's own linear: the fused CPU kernel, the CUDA GEMV, or the torch reference's formula."""
     scales, kind, block_rows, tensor_scale = scale_layout(qt)
     b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
-    return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, b, qt.format.name, qt.group_size)
+    return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, b, qt.format.name, _group(qt))
 
 
 def _op_decoder(op, qt: QuantizedTensor, x2: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
@@ -87,7 +93,7 @@ def _op_decoder(op, qt: QuantizedTensor, x2: torch.Tensor) -> Callable[[int, int
         if not buffer:
             buffer.append(torch.empty(rows, qt.shape[1], dtype=x2.dtype, device=x2.device))
         out = buffer[0][:n1 - n0]
-        op.decode_rows(codes, scales, kind, block_rows, tensor_scale, qt.format.name, qt.group_size, n0, n1, out)
+        op.decode_rows(codes, scales, kind, block_rows, tensor_scale, qt.format.name, _group(qt), n0, n1, out)
         return out
 
     return decode
@@ -110,7 +116,7 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
     that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)"""
     n, k = qt.shape
     b = None if bias is None else bias.detach().to(x2.dtype)
-    block_rows = qt.block[0] if qt.block is not None else 1
+    block_rows = min(qt.block[0], max(n, 1)) if qt.block is not None else 1
     rows = max(1, panel_bytes // max(1, k * x2.element_size()))
     rows = min(n, ceil_div(rows, block_rows) * block_rows)
     if rows >= n:

@@ -16,6 +16,7 @@ import torch
 from ds_fpquant.linear import linear as fused_linear
 from ds_fpquant.linear.w8a8 import check_activation
 from ds_fpquant.nn.quantized_params import COMPUTE_DTYPES, buffer_views, register_buffers
+from ds_fpquant.numerics.formats import WHOLE
 from ds_fpquant.tensor.quantize import quantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
@@ -102,7 +103,12 @@ class FPQuantizedLinear(torch.nn.Module):
         self.orig_dtype = getattr(torch, state.get("orig_dtype", "float32"))
 
     def extra_repr(self) -> str:
-        scaling = f"block={self.block}" if self.block else f"group_size={self.group_size}"
+        if self.block is not None and tuple(self.block) == (WHOLE, WHOLE):
+            scaling = "granularity=tensor"
+        elif self.block is None and self.group_size == WHOLE:
+            scaling = "granularity=channel"
+        else:
+            scaling = f"block={self.block}" if self.block else f"group_size={self.group_size}"
         w8a8 = f", activation={self.activation}" if self.activation else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fmt={self.fmt}, {scaling}{w8a8}")

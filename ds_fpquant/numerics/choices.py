@@ -10,6 +10,11 @@ from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT
 GROUPINGS = ("row", "flat")
 
 
+#: ``granularity=`` (SPEC 2): one scale per matrix, or one per row (output channel);
+#: :func:`ds_fpquant.numerics.formats.resolve_granularity` maps them to blocks / groups.
+GRANULARITIES = ("tensor", "channel")
+
+
 #: ``scale_format=`` of the element formats (SPEC 3.1, 3.2).
 SCALE_FORMATS = ("fp32", "e8m0")
 

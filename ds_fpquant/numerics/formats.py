@@ -309,6 +309,38 @@ def resolve_scaling(fmt, group_size: Optional[int] = None, block: Optional[Tuple
     return (block[1] if block is not None else group_size), scale_format, block
 
 
+#: The block / group side that ``granularity`` records: a side at least the matrix side means the whole side
+#: (SPEC 2), and ``2^31 - 1`` (INT32_MAX) is at least every side, so layers of any shape share one setting.
+WHOLE = 2**31 - 1
+
+
+def resolve_granularity(fmt, granularity: Optional[str], group_size: Optional[int] = None,
+                        block: Optional[Tuple[int, int]] = None) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    """``(group_size, block)`` for ``granularity`` (SPEC 2): ``"tensor"`` is ``block=(WHOLE, WHOLE)`` (one scale per
+    2-D matrix, scales ``(1, 1)``), ``"channel"`` is ``group_size=WHOLE`` (one scale per row, scales ``(N, 1)``);
+    ``None`` returns ``group_size`` and ``block`` as given.
+
+    Raises:
+        TypeError: ``granularity`` is not a str.
+        ValueError: ``granularity`` is not ``"tensor"`` / ``"channel"``, or is combined with ``group_size``,
+            ``block`` or a preset ``fmt`` (which fixes its own groups).
+    """
+    if granularity is None:
+        return group_size, block
+    from .checks import check_choice
+    from .choices import GRANULARITIES
+
+    check_choice("granularity", granularity, GRANULARITIES)
+    given = [f"{name}={value!r}" for name, value in (("group_size", group_size), ("block", block)) if value is not None]
+    if given:
+        raise ValueError(f"granularity={granularity!r} sets the scaling itself; it cannot be combined with "
+                         f"{', '.join(given)} (give one of granularity, group_size, block)")
+    if isinstance(fmt, str) and fmt in PRESETS:
+        raise ValueError(f"fmt={fmt!r} fixes groups of {PRESETS[fmt][1]} along the last dim; granularity="
+                         f"{granularity!r} cannot be combined with it")
+    return (None, (WHOLE, WHOLE)) if granularity == "tensor" else (WHOLE, None)
+
+
 #: W8A8 (``activation="e4m3"``): activations in groups of 128 per token, weights in 1x128 groups or 128x128 blocks.
 W8A8_GROUP = 128
 

@@ -162,15 +162,21 @@ def block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: Op
     """2-D blocks (SPEC 2, 3): (stored tile scales ``(ceil(N/Br), ceil(K/Bc))``, and the fp32 scale of
     each (row, Bc-segment) ``(N, ceil(K/Bc))`` that the row kernels encode with).
 
+    A side at least the matrix side is one tile along that side (``block=(N, K)`` or larger: one scale per
+    matrix); the work and memory are bounded by the matrix, never by the block: the amax of each
+    (row, Bc-segment) first, then of each ``Br`` of those rows (max and "any NaN/Inf" are exact in any order).
     Codes are laid out exactly as row grouping with ``G = Bc``; only the scales differ, so every
     backend quantizes with these per-segment scales and gives the same bits.
     """
-    br, bc = block
     n, k = x2.shape
+    br, bc = min(block[0], max(n, 1)), min(block[1], max(k, 1))
     nr, nc = ceil_div(n, br), ceil_div(k, bc)
-    x32 = torch.nn.functional.pad(x2.to(torch.float32), (0, nc * bc - k, 0, nr * br - n))
-    tiles = x32.view(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr, nc, br * bc)
-    stored, used = group_scales(*group_amax(tiles), f, e8m0)
+    amax, nonfinite = group_amax(fp32_groups(x2, bc))  # (N, nc) per row segment
+    if nr * br != n:  # the last tile's missing rows: amax 0 and finite, which change nothing
+        amax = torch.nn.functional.pad(amax, (0, 0, 0, nr * br - n))
+        nonfinite = torch.nn.functional.pad(nonfinite, (0, 0, 0, nr * br - n))
+    amax, nonfinite = amax.view(nr, br, nc).amax(dim=1), nonfinite.view(nr, br, nc).any(dim=1)
+    stored, used = group_scales(amax, nonfinite, f, e8m0)
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 

@@ -88,7 +88,7 @@ def linear(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: st
     pad = groups * g - k
     with torch.no_grad(), ieee_denormals():
         s = fp32_scales(scales, kind, torch.tensor(tensor_scale, dtype=torch.float32, device=scales.device))
-        s = s.repeat_interleave(block_rows, dim=0)[:n].reshape(n, groups)
+        s = s.repeat_interleave(min(block_rows, max(n, 1)), dim=0)[:n].reshape(n, groups)  # Br >= N: one row of tiles
         xg = torch.nn.functional.pad(x2.float(), (0, pad)).view(m, groups, g).transpose(0, 1)  # (groups, M, G)
         y = torch.empty(m, n, dtype=torch.float32, device=x2.device)
         rows = max(1, PANEL_PARTIALS_BYTES // max(1, 4 * groups * m))

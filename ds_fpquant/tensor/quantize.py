@@ -10,7 +10,13 @@ import torch
 from ds_fpquant.numerics import checks
 from ds_fpquant.numerics.choices import BACKENDS, GROUPINGS, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
 from ds_fpquant.numerics.codec import ieee_denormals
-from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT, FPFormat, element_format, resolve_scaling
+from ds_fpquant.numerics.formats import (
+    NVFP4_SCALE_FORMAT,
+    FPFormat,
+    element_format,
+    resolve_granularity,
+    resolve_scaling,
+)
 from ds_fpquant.numerics.packing import ceil_div
 from ds_fpquant.numerics.scales import block_scales, check_given_scales, clear_groups, nvfp4_scales
 from ds_fpquant.ops import backends
@@ -29,16 +35,25 @@ __all__ = ["quantize", "dequantize", "check_settings"]
 def check_settings(fmt: str = "e4m3", group_size: Optional[int] = None, *, grouping: str = "row",
                    block: Optional[Tuple[int, int]] = None, scale_format: Optional[str] = None,
                    scale_rounding: str = "ceil", rounding: str = "nearest", seed: Optional[int] = None,
-                   backend: str = "auto") -> Tuple[int, str, Optional[Tuple[int, int]]]:
+                   backend: str = "auto", granularity: Optional[str] = None) -> Tuple[int, str, Optional[Tuple[int, int]]]:
     """Check the arguments of :func:`quantize` that do not depend on the tensor, as it does (same errors),
-    and resolve them: returns ``(group_size, scale_format, block)`` with a preset's own values and, with
-    ``block``, its ``Bc`` as the group size.
+    and resolve them: returns ``(group_size, scale_format, block)`` with a preset's own values, ``granularity``
+    as its block / group (:func:`ds_fpquant.numerics.formats.resolve_granularity`) and, with ``block``, its
+    ``Bc`` as the group size.
 
     Raises:
         TypeError, ValueError: as :func:`quantize` (SPEC 7).
     """
     if block is not None:
         block = check_block(block, None, "row")
+    if granularity is not None and group_size is not None:
+        group_size = checks.check_int("group_size", group_size, 1)
+    group_size, block = resolve_granularity(fmt, granularity, group_size, block)
+    if granularity is not None:
+        checks.check_choice("grouping", grouping, GROUPINGS)
+        if grouping != "row":
+            raise ValueError(f"granularity={granularity!r} scales rows or 2-D matrices; grouping must be 'row', "
+                             f"got {grouping!r}")
     group_size, scale_format, block = resolve_scaling(fmt, group_size, block, scale_format)
     _check_quantize_args(fmt, grouping, block, scale_format, scale_rounding, rounding, seed, backend)
     if block is not None:
@@ -82,6 +97,7 @@ def quantize(
     offset: int = 0,
     backend: str = "auto",
     scales: Optional[torch.Tensor] = None,
+    granularity: Optional[str] = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` codes with one scale per group of ``group_size`` elements.
 
@@ -111,7 +127,13 @@ def quantize(
         block: ``(Br, Bc)`` for 2-D block scaling of a 2-D tensor (weights, DeepSeek-V3 style
             ``(128, 128)``): one scale per tile, edge tiles smaller; the groups are then ``Bc`` wide (codes
             are laid out as row grouping with ``G = Bc``, scales are ``(ceil(N/Br), ceil(K/Bc))``), so
-            ``group_size`` is left out (or equals ``Bc``). Not with the presets.
+            ``group_size`` is left out (or equals ``Bc``). Not with the presets. A side at least the
+            matrix's (``Br >= N``, ``Bc >= K``) is one tile along it, with no padding: ``block=(2**20, 2**20)``
+            gives the codes and scales of ``block=(N, K)``, scales ``(1, 1)``; the block is recorded as given.
+        granularity: ``"tensor"`` (one scale per 2-D matrix: ``block=(WHOLE, WHOLE)``, scales ``(1, 1)``) or
+            ``"channel"`` (one scale per row, the output channel of a weight: ``group_size=WHOLE``, scales
+            ``(*shape[:-1], 1)``); ``WHOLE = 2**31 - 1`` (:data:`ds_fpquant.numerics.formats.WHOLE`). Not with
+            ``group_size``, ``block``, a preset or ``grouping="flat"``.
         backend: ``"auto"`` (the compiled op for ``x``'s device when it builds, else the torch
             reference with one warning), ``"cpu"``/``"cuda"`` (the compiled op, ``RuntimeError``
             when it cannot be built) or ``"torch"``. All give identical bits.
@@ -129,7 +151,8 @@ def quantize(
     """
     group_size, scale_format, block = check_settings(fmt, group_size, grouping=grouping, block=block,
                                                      scale_format=scale_format, scale_rounding=scale_rounding,
-                                                     rounding=rounding, seed=seed, backend=backend)
+                                                     rounding=rounding, seed=seed, backend=backend,
+                                                     granularity=granularity)
     offset = checks.check_u64("offset", offset)
     checks.check_tensor("x", x)
     if backend in ("cpu", "cuda") and x.device.type != backend:
@@ -142,6 +165,9 @@ def quantize(
                          f"scale_format={scale_format!r}")
     e8m0 = scale_rounding if scale_format == "e8m0" else None
     if block is not None:
+        if granularity is not None and x.dim() != 2:
+            raise ValueError(f"granularity={granularity!r} needs a 2-D tensor (one scale per matrix); x has shape "
+                             f"{tuple(x.shape)}")
         check_block(block, x, grouping)
         if scales is not None:
             raise ValueError("scales= cannot be combined with block=: the block scales come from the tiles' amax")

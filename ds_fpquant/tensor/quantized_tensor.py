@@ -34,7 +34,11 @@ class QuantizedTensor:
         shape, dtype: the original tensor's shape and dtype.
         fmt, group_size, grouping, block, scale_format: as passed to :func:`ds_fpquant.quantize` (presets
             resolved: an MX preset has ``group_size=32, scale_format="e8m0"``, ``"nvfp4"`` has
-            ``group_size=16, scale_format="e4m3"``).
+            ``group_size=16, scale_format="e4m3"``). Sizes are recorded as given, never clipped to the
+            tensor: a group or block side at least the tensor's side means one scale along it (SPEC 2), so
+            ``granularity="tensor"`` is ``block=(WHOLE, WHOLE)`` and ``"channel"`` ``group_size=WHOLE``
+            (``WHOLE = 2**31 - 1``, :data:`ds_fpquant.numerics.formats.WHOLE`) on every layer whatever its
+            shape (:attr:`granularity` names them).
         tensor_scale: ``fmt="nvfp4"`` only: the 0-d fp32 per-tensor scale ``t`` (SPEC 3.4); ``None``
             otherwise.
     """
@@ -61,6 +65,18 @@ class QuantizedTensor:
         tensors = (self.codes, self.scales) + (() if self.tensor_scale is None else (self.tensor_scale,))
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def granularity(self) -> Optional[str]:
+        """``"tensor"`` when one scale covers the whole 2-D tensor (a block at least its shape, ``scales`` ``(1, 1)``),
+        ``"channel"`` for one scale per row (row groups at least ``K`` wide, or blocks ``(1, >= K)``), else
+        ``None`` (groups / blocks; a tensor with one row or one group may still be either)."""
+        rows, k = rows_and_k(self.shape, self.grouping)
+        if self.block is not None and len(self.shape) == 2:
+            if self.block[0] >= rows and self.block[1] >= k:
+                return "tensor"
+            return "channel" if self.block[0] == 1 and self.block[1] >= k else None
+        return "channel" if self.grouping == "row" and self.group_size >= k else None
+
     def dequantize(self, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:
         """The values of ``qt.shape`` (SPEC 5): ``y = fl(decode(q) * s)`` in fp32, then rounded to ``dtype`` (IEEE RNE;
         fp16 overflow gives Inf). NaN codes give NaN, Inf codes +-Inf, a NaN scale NaN for its whole group.
@@ -86,8 +102,8 @@ class QuantizedTensor:
             # every backend takes one fp32 scale per group
             kind = NVFP4_SCALE_FORMAT if self.fmt == "nvfp4" else self.scale_format
             scales = fp32_scales(self.scales, kind, self.tensor_scale)
-            if self.block is not None:  # each tile's scale for each of its rows
-                scales = scales.repeat_interleave(self.block[0], dim=0)[:rows]
+            if self.block is not None:  # each tile's scale for each of its rows (a side >= N: one tile)
+                scales = scales.repeat_interleave(min(self.block[0], max(rows, 1)), dim=0)[:rows]
             scales = scales.reshape(rows, ceil_div(k, self.group_size))
             y = impl.dequantize(packed.contiguous(), scales.contiguous(), k, f.name, g_eff, dtype)
         return y.reshape(self.shape)

@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from ds_fpquant.numerics.packing import ceil_div, row_bytes
+from ds_fpquant.numerics.packing import ceil_div, codes_per_unit, group_bytes, row_bytes
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]
@@ -23,14 +23,19 @@ __all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]
 def row_slice(qt: QuantizedTensor, r0: int, r1: int, name: str = "qt") -> QuantizedTensor:
     """Rows ``r0 .. r1-1`` of the 2-D ``qt`` (views of its codes and scales).
 
-    Raises ``ValueError`` when the cut falls inside a block of rows (``name`` names the weight).
+    Raises ``ValueError`` when the cut falls inside a block of rows (``name`` names the weight); a block of rows
+    at least the matrix's (per-tensor scaling) is cut anywhere, each piece keeping its one row of scales.
     """
     n, k = qt.shape
     block_rows = qt.block[0] if qt.block is not None else 1
+    if block_rows >= n:  # one block of rows (per-tensor scaling): every piece keeps that scale row (SPEC 2)
+        lo, hi, block_rows = 0, 1, 1
+    else:
+        lo, hi = r0 // block_rows, ceil_div(r1, block_rows)
     if not (0 <= r0 < r1 <= n) or r0 % block_rows or (r1 % block_rows and r1 != n):
         raise ValueError(f"{name}: rows {r0}..{r1 - 1} of a ({n}, {k}) weight do not start and end on its "
                          f"{block_rows}-row block boundaries")
-    return replace(qt, codes=qt.codes[r0:r1], scales=qt.scales[r0 // block_rows:ceil_div(r1, block_rows)],
+    return replace(qt, codes=qt.codes[r0:r1], scales=qt.scales[lo:hi],
                    shape=torch.Size((r1 - r0, k)),  # NVFP4: each piece carries the shared tensor scale
                    tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone())
 
@@ -38,14 +43,26 @@ def row_slice(qt: QuantizedTensor, r0: int, r1: int, name: str = "qt") -> Quanti
 def column_slice(qt: QuantizedTensor, c0: int, c1: int, name: str = "qt") -> QuantizedTensor:
     """Columns ``c0 .. c1-1`` of the 2-D ``qt``: whole groups (or blocks) of each row's codes and their scales.
 
-    Raises ``ValueError`` when the cut falls inside a group of ``group_size`` columns.
+    Raises ``ValueError`` when the cut falls inside a group of ``group_size`` columns; where one group spans the
+    row (``group_size >= K``: per-channel / per-tensor scaling) each piece keeps the row's scale and the cut must
+    only fall on a whole pack unit of codes (SPEC 6: any column for 8-bit codes, 2 for 4-bit, 4 for 6-bit).
     """
     n, k = qt.shape
     g = qt.group_size
+    bits = qt.format.bits
+    if g >= k and 0 <= c0 < c1 <= k:  # one group per row (per-channel / per-tensor): cut on whole pack units
+        unit = codes_per_unit(bits)
+        if c0 % unit or (c1 % unit and c1 != k):
+            raise ValueError(f"{name}: columns {c0}..{c1 - 1} of a ({n}, {k}) weight with one group per row cut its "
+                             f"{bits}-bit codes inside a pack unit of {unit} codes (SPEC 6); a shard must start and "
+                             f"end on a multiple of {unit} columns")
+        start = c0 * bits // 8
+        codes = qt.codes[:, start:start + group_bytes(c1 - c0, bits)]
+        return replace(qt, codes=codes.contiguous(), scales=qt.scales.contiguous(), shape=torch.Size((n, c1 - c0)),
+                       tensor_scale=None if qt.tensor_scale is None else qt.tensor_scale.clone())
     if not (0 <= c0 < c1 <= k) or c0 % g or (c1 % g and c1 != k):
         raise ValueError(f"{name}: columns {c0}..{c1 - 1} of a ({n}, {k}) weight cut its groups of {g} columns; "
                          f"a shard must start and end on a group boundary (use a group_size / block that divides it)")
-    bits = qt.format.bits
     start = (c0 // g) * row_bytes(g, g, bits)
     codes = qt.codes[:, start:start + row_bytes(c1 - c0, g, bits)]
     scales = qt.scales[:, c0 // g:ceil_div(c1, g)]
@@ -61,6 +78,8 @@ def split_rows(qt: QuantizedTensor, rows: Sequence[int]) -> List[QuantizedTensor
     to two matrices).
     """
     block_rows = qt.block[0] if qt.block else 1
+    if block_rows >= qt.shape[0]:  # one block of rows: each piece keeps its scale row (row_slice)
+        block_rows = 1
     if sum(rows) != qt.shape[0] or any(n % block_rows for n in rows[:-1]):
         raise ValueError(f"rows {list(rows)} do not cut a {tuple(qt.shape)} matrix with blocks of {block_rows} rows "
                          f"on block boundaries")
@@ -97,7 +116,8 @@ def join_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
     if block is not None and (any(qt.block != block for qt in parts)
                               or any(qt.shape[0] % block[0] for qt in parts[:-1])):
         block = (1, block[1])  # scales per row: a part ends inside a block of rows
-    scales = [qt.scales if block == qt.block else qt.scales.repeat_interleave(qt.block[0], dim=0)[:qt.shape[0]]
+    scales = [qt.scales if block == qt.block else
+              qt.scales.repeat_interleave(min(qt.block[0], max(qt.shape[0], 1)), dim=0)[:qt.shape[0]]
               for qt in parts]
     return replace(first, codes=torch.cat([qt.codes for qt in parts]), scales=torch.cat(scales), block=block,
                    shape=torch.Size((sum(qt.shape[0] for qt in parts), first.shape[1])))

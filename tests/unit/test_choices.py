@@ -19,13 +19,14 @@ def _cli_choices():
 
 def test_cli_choices_are_the_library_choices():
     assert _cli_choices() == {"fmt": [*FORMATS, *PRESETS], "scale_format": list(choices.ALL_SCALE_FORMATS),
-                              "backend": list(choices.BACKENDS)}
+                              "backend": list(choices.BACKENDS), "granularity": list(choices.GRANULARITIES)}
 
 
 @pytest.mark.parametrize("field,values", [("backend", choices.BACKENDS), ("scale_format", choices.ALL_SCALE_FORMATS),
                                           ("rounding", choices.ROUNDINGS),
                                           ("compute_dtype", choices.COMPUTE_DTYPE_NAMES),
-                                          ("activation", choices.ACTIVATIONS)])
+                                          ("activation", choices.ACTIVATIONS),
+                                          ("granularity", choices.GRANULARITIES)])
 def test_config_fields_take_the_library_choices(field, values):
     annotation = FPQuantizationConfig.model_fields[field].annotation
     candidates = (annotation,) if typing.get_origin(annotation) is typing.Literal else typing.get_args(annotation)
