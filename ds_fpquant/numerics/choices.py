@@ -4,6 +4,7 @@ checkpoint reader all use them; ``tests/unit/test_choices.py`` checks that the C
 
 from __future__ import annotations
 
+from ds_fpquant.numerics.formats import GRANULARITIES as _GRANULARITIES
 from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT
 
 #: ``grouping=`` (SPEC 2).
@@ -12,7 +13,7 @@ GROUPINGS = ("row", "flat")
 
 #: ``granularity=`` (SPEC 2): one scale per matrix, or one per row (output channel);
 #: :func:`ds_fpquant.numerics.formats.resolve_granularity` maps them to blocks / groups.
-GRANULARITIES = ("tensor", "channel")
+GRANULARITIES = _GRANULARITIES
 
 
 #: ``scale_format=`` of the element formats (SPEC 3.1, 3.2).

@@ -309,6 +309,11 @@ def resolve_scaling(fmt, group_size: Optional[int] = None, block: Optional[Tuple
     return (block[1] if block is not None else group_size), scale_format, block
 
 
+#: ``granularity=`` (SPEC 2): one scale per matrix, or one per row (output channel); listed in
+#: :mod:`ds_fpquant.numerics.choices` with the other choices.
+GRANULARITIES = ("tensor", "channel")
+
+
 #: The block / group side that ``granularity`` records: a side at least the matrix side means the whole side
 #: (SPEC 2), and ``2^31 - 1`` (INT32_MAX) is at least every side, so layers of any shape share one setting.
 WHOLE = 2**31 - 1
@@ -328,7 +333,6 @@ def resolve_granularity(fmt, granularity: Optional[str], group_size: Optional[in
     if granularity is None:
         return group_size, block
     from .checks import check_choice
-    from .choices import GRANULARITIES
 
     check_choice("granularity", granularity, GRANULARITIES)
     given = [f"{name}={value!r}" for name, value in (("group_size", group_size), ("block", block)) if value is not None]
