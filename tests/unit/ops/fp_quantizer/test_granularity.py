@@ -291,3 +291,20 @@ def test_bad_settings_elsewhere(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="granularity='tensor'"):
         checkpoint.quantize_checkpoint(src, tmp_path / "q", granularity="tensor", group_size=8, progress=False)
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_transformers_fp8_loader_reads_the_same_weights(llama_dir, tmp_path, granularity):
+    """transformers' CPU FP8 loader infers the block from the scales' shape (rows // scale_rows): it reads the
+    per-tensor ``[2^31 - 1, 2^31 - 1]`` and per-channel ``[1, 2^31 - 1]`` blocks as the exact sides."""
+    pytest.importorskip("accelerate")  # transformers' FP8 quantizer needs it
+    import transformers
+
+    src, _ = llama_dir
+    checkpoint.quantize_checkpoint(src, tmp_path / "q", "e4m3", granularity=granularity, progress=False)
+    loaded = fpq.load_quantized(tmp_path / "q")
+    ours = {f"{n}.weight": m.quantized_weight.dequantize(torch.float32) for n, m in loaded.named_modules()
+            if isinstance(m, FPQuantizedLinear)}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).state_dict()
+    assert len(ours) == 14
+    assert [k for k, w in ours.items() if not torch.equal(theirs[k], w)] == []
