@@ -31,8 +31,13 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     is read).
 
     - A quantized checkpoint (``fp_quantization=None``): the codes and scales as stored, in either layout of
-      :func:`~ds_fpquant.quantize_checkpoint`, including block-FP8 checkpoints written by other tools
-      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style).
+      :func:`~ds_fpquant.quantize_checkpoint`, and the layouts of other tools registered in
+      :mod:`ds_fpquant.checkpoint.layouts`: block FP8 (``quant_method: "fp8"`` with ``weight_block_size``,
+      DeepSeek-V3 style), per-tensor FP8 (``"fp8"`` without it, AutoFP8), compressed-tensors
+      (``"compressed-tensors"``: FP8 per tensor / channel / block / group, NVFP4, MXFP4, MXFP8), bit-identical
+      to those tools' dequantization (``docs/checkpoints.md``). Static activation scales (``input_scale``)
+      are recorded in ``model.ds_fpquant_activation_scales`` and not applied
+      (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`, once).
     - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
       read once; a linear or expert weight the settings select is quantized as it is read, everything else
       assigned as read. The result is bit-identical to :func:`ds_fpquant.apply` on the model
