@@ -7,11 +7,12 @@ is made.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
+from ds_fpquant.checkpoint import layouts
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
@@ -22,10 +23,6 @@ from ds_fpquant.tensor.slicing import join_rows
 
 __all__ = ["load_quantized"]
 
-#: The tensors of a stored expert stack ``<p>`` ``(E, ...)``: suffix -> the part name of one weight.
-STACK_SUFFIXES = {"_scale_inv": "weight_scale_inv", "_scale_2": "weight_scale_2", "_scale": "weight_scale", "": "weight"}
-
-
 def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str = "auto",
                    compute_dtype: Optional[str] = None):
     """Build a quantized transformers model from a checkpoint directory, with
@@ -34,8 +31,13 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     is read).
 
     - A quantized checkpoint (``fp_quantization=None``): the codes and scales as stored, in either layout of
-      :func:`~ds_fpquant.quantize_checkpoint`, including block-FP8 checkpoints written by other tools
-      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style).
+      :func:`~ds_fpquant.quantize_checkpoint`, and the layouts of other tools registered in
+      :mod:`ds_fpquant.checkpoint.layouts`: block FP8 (``quant_method: "fp8"`` with ``weight_block_size``,
+      DeepSeek-V3 style), per-tensor FP8 (``"fp8"`` without it, AutoFP8), compressed-tensors
+      (``"compressed-tensors"``: FP8 per tensor / channel / block / group, NVFP4, MXFP4, MXFP8), bit-identical
+      to those tools' dequantization (``docs/checkpoints.md``). Static activation scales (``input_scale``)
+      are recorded in ``model.ds_fpquant_activation_scales`` and not applied
+      (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`, once).
     - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
       read once; a linear or expert weight the settings select is quantized as it is read, everything else
       assigned as read. The result is bit-identical to :func:`ds_fpquant.apply` on the model
@@ -67,32 +69,41 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     hf_config = read_config(path)
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
-    qconfig = getattr(hf_config, "quantization_config", None)
-    own = check_qconfig(qconfig, path)
-    del hf_config.quantization_config  # build the plain model; its linears are replaced below
+    reading = layouts.reading_for(layouts.find_qconfig(hf_config, path), path)
+    own = reading.own
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config  # build the plain model; its linears are replaced below
     dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
         "torch.", ""))
     model = meta_model(hf_config, model_class)
     linears, keys = linear_modules(model), CheckpointKeys(model)
     files = shard_files(path)
     headers = tensor_headers(files)
-    code_dtypes = ("F8_E4M3", "F8_E5M2") if qconfig["quant_method"] == FP8_METHOD else ("U8",)
-    quantized = {name for key in headers for suffix in SCALE_SUFFIXES
-                 if (name := keys.module(key, suffix, linears)) is not None}
-    quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in code_dtypes
+    quantized = {name for key in headers for suffix in reading.suffixes if suffix != ".weight"
+                 and (name := keys.module(key, suffix, linears)) is not None}
+    quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in reading.code_dtypes
                   and (name := keys.module(key, ".weight", linears)) is not None}
+    ignored = sorted(name for name in quantized if reading.ignored(name))
+    if ignored:
+        raise ValueError(f"{ignored} are stored quantized but the checkpoint's quantization_config lists them as not "
+                         f"converted ({list(reading.ignore)})")
     parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
     expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
     fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
     state = {}
     placed: Dict[Tuple, str] = {}  # where each tensor went -> its key: two keys for one place are an error
+    activation_scales: Dict[str, Dict[str, torch.Tensor]] = {}  # recorded, not applied
     for key, tensor in iter_tensors(files):
-        kind, where, part_name = _place(key, quantized, linears, keys)
+        kind, where, part_name = _place(key, quantized, linears, keys, reading)
         slot = (kind, where, part_name) if kind else None
         if slot is not None and placed.setdefault(slot, key) != key:
             raise ValueError(f"{placed[slot]} and {key} are both {part_name} of {getattr(where, 'target', where)}"
                              f"{f' expert {where.expert} part {where.part}' if kind == 'expert' else ''}")
-        if kind == "linear":
+        if kind is not None and part_name in reading.activation_parts:
+            owner = where if kind == "linear" else (f"{where.target}[expert {where.expert}, part {where.part}]"
+                                                    if kind == "expert" else where)
+            activation_scales.setdefault(owner, {})[part_name] = tensor
+        elif kind == "linear":
             parts[where][part_name] = tensor
         elif kind == "expert":
             expert_parts.setdefault(where.target, {}).setdefault((where.expert, where.part), {})[part_name] = tensor
@@ -111,7 +122,7 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
             raise ValueError(f"{name} is a Conv1D whose quantized weight is not stored as (out, in); "
                              f"only checkpoints listing it in quantization_config.ds_fpquant.transposed are supported")
         shape = tuple(module.weight.shape[::-1]) if linears[name] else tuple(module.weight.shape)
-        qt = from_parts(name, tensors, shape, qconfig, dtype)
+        qt = reading.from_parts(name, tensors, shape, dtype)
         bias = state.pop(biases[name]) if name in biases else None
         if (bias is None) != (module.bias is None):
             raise ValueError(f"{name}: the model {'has' if module.bias is not None else 'has no'} bias, the "
@@ -121,20 +132,29 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         parent, child = parent_module(model, name)
         setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
     for target, by_part in expert_parts.items():
-        _load_expert_parts(model, keys, target, by_part, qconfig, dtype, state, backend, compute_dtype)
+        _load_expert_parts(model, keys, target, by_part, reading, dtype, state, backend, compute_dtype)
     for target, tensors in fused.items():
-        _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
+        _load_fused_experts(model, keys, target, tensors, reading, dtype, state, backend, compute_dtype)
     _assign_rest(model, state, keys)
     enable_save_pretrained(model)
+    if activation_scales:
+        model.ds_fpquant_activation_scales = activation_scales
+        warnings.warn(layouts.StaticActivationScalesWarning(
+            f"the checkpoint stores static activation scales ({', '.join(sorted({p for a in activation_scales.values() for p in a}))}) "
+            f"for {len(activation_scales)} weights; ds_fpquant does not apply them (static activation quantization is "
+            f"not implemented): the layers run weight-only. They are kept in model.ds_fpquant_activation_scales"),
+            stacklevel=2)
     return model.eval()
 
 
-def _place(key: str, quantized, linears, keys: CheckpointKeys):
+def _place(key: str, quantized, linears, keys: CheckpointKeys, reading):
     """Where checkpoint tensor ``key`` goes: ``("linear", module, part)`` for a part of a quantized
     linear weight, ``("expert", ExpertPart, part)`` for a per-expert matrix or its scales,
     ``("stack", parameter, part)`` for a stored expert stack, ``(None, None, None)`` for the rest
-    (``part``: ``weight``, ``weight_scale_inv``, ``weight_scale`` or ``weight_scale_2``)."""
-    for suffix in (".weight", *SCALE_SUFFIXES):
+    (``part``: the layout's suffix without its dot, e.g. ``weight``, ``weight_scale_inv``; ``reading``: the
+    layout's :class:`~ds_fpquant.checkpoint.layouts.Reading`, or ``None`` for a full-precision checkpoint)."""
+    suffixes = reading.suffixes if reading is not None else (".weight",)
+    for suffix in suffixes:
         if not key.endswith(suffix):
             continue
         name = keys.module(key, suffix, linears)
@@ -143,14 +163,14 @@ def _place(key: str, quantized, linears, keys: CheckpointKeys):
         part = keys.part(key[:-len(suffix)] + ".weight")
         if part is not None:
             return "expert", part, suffix[1:]
-    for suffix, part_name in STACK_SUFFIXES.items():
+    for suffix, part_name in (reading.stack_suffixes if reading is not None else {"": "weight"}).items():
         target = keys.fused(key[:len(key) - len(suffix)]) if key.endswith(suffix) else None
         if target is not None:
             return "stack", target, part_name
     return None, None, None
 
 
-def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfig, dtype, state, backend,
+def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, reading, dtype, state, backend,
                        compute_dtype) -> None:
     """Install the expert parameter ``target`` from its per-expert matrices (``by_part[(e, part)]`` =
     ``{"weight": ..., "weight_scale_inv": ...}``): quantized ones become the module's quantized experts,
@@ -160,10 +180,12 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfi
     n_experts, out_features, in_features = module._parameters[pname].shape
     n_parts = 1 + max(p for _, p in by_part)
     check_expert_slots(target, (n_experts, out_features, in_features), {slot: slot for slot in by_part}, n_parts)
-    no_weight = [f"expert {e} part {p}" for (e, p), t in sorted(by_part.items()) if "weight" not in t]
+    code_parts = reading.code_parts if reading is not None else ("weight",)
+    no_weight = [f"expert {e} part {p}" for (e, p), t in sorted(by_part.items()) if not set(code_parts) & set(t)]
     if no_weight:
         raise ValueError(f"{target}: the checkpoint has scales but no weight for {no_weight}")
-    is_quantized = {p: len(t) > 1 or t["weight"].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    is_quantized = {p: len(t) > 1 or "weight" not in t
+                    or t["weight"].dtype not in (torch.float32, torch.float16, torch.bfloat16)
                     for p, t in by_part.items()}
     if not any(is_quantized.values()):
         state[target] = torch.stack([torch.cat([by_part[(e, p)]["weight"] for p in range(n_parts)])
@@ -174,8 +196,8 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfi
                          f"parameter whole, quantized or not")
     qts = []
     for e in range(n_experts):
-        pieces = [from_parts(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
-                                    (by_part[(e, p)]["weight"].shape[0], in_features), qconfig, dtype)
+        pieces = [reading.from_parts(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
+                                     (_rows(by_part[(e, p)], code_parts), in_features), dtype)
                   for p in range(n_parts)]
         try:
             qts.append(join_rows(pieces))
@@ -187,6 +209,11 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, qconfi
     _install(module, pname, target, qts, backend, compute_dtype)
 
 
+def _rows(parts: Dict[str, torch.Tensor], code_parts) -> int:
+    """The rows of one stored expert matrix: its codes' first dimension."""
+    return next(parts[p] for p in code_parts if p in parts).shape[0]
+
+
 def _install(module, pname: str, target: str, qts, backend, compute_dtype) -> None:
     try:
         install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
@@ -194,7 +221,7 @@ def _install(module, pname: str, target: str, qts, backend, compute_dtype) -> No
         raise ValueError(f"{target}: {exc}") from None
 
 
-def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconfig, dtype, state, backend,
+def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, reading, dtype, state, backend,
                         compute_dtype) -> None:
     """Install the expert parameter ``target`` from a stored stack (``<target>`` ``(E, ...)`` plus
     ``<target>_scale_inv`` / ``_scale`` / ``_scale_2``, transformers' fused FP8 layout)."""
@@ -207,7 +234,7 @@ def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconf
     if any(t.shape[:1] != shape[:1] for t in tensors.values()):
         raise ValueError(f"{target}: a stored expert stack has {shape[0]} experts in its first dimension; got "
                          f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
-    qts = [from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], qconfig, dtype)
+    qts = [reading.from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], dtype)
            for e in range(shape[0])]
     _install(module, pname, target, qts, backend, compute_dtype)
 
