@@ -11,7 +11,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
+from ds_fpquant.checkpoint import layout_modelopt
+from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_qconfig
+from ds_fpquant.checkpoint.disk_format import from_parts as layout_from_parts
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
@@ -68,7 +70,11 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
     qconfig = getattr(hf_config, "quantization_config", None)
-    own = check_qconfig(qconfig, path)
+    modelopt = layout_modelopt.is_modelopt(qconfig)
+    if modelopt:  # NVIDIA ModelOpt's layout (ds_fpquant/checkpoint/layout_modelopt.py); input scales kept, not applied
+        qconfig, own = {**layout_modelopt.check_config(qconfig, path), "input_scales": {}}, {}
+    else:
+        own = check_qconfig(qconfig, path)
     del hf_config.quantization_config  # build the plain model; its linears are replaced below
     dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
         "torch.", ""))
@@ -76,7 +82,8 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     linears, keys = linear_modules(model), CheckpointKeys(model)
     files = shard_files(path)
     headers = tensor_headers(files)
-    code_dtypes = ("F8_E4M3", "F8_E5M2") if qconfig["quant_method"] == FP8_METHOD else ("U8",)
+    fp8_codes = qconfig["quant_method"] == FP8_METHOD or (modelopt and qconfig["fmt"] == "e4m3")
+    code_dtypes = ("F8_E4M3", "F8_E5M2") if fp8_codes else ("U8",)
     quantized = {name for key in headers for suffix in SCALE_SUFFIXES
                  if (name := keys.module(key, suffix, linears)) is not None}
     quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in code_dtypes
@@ -125,8 +132,27 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     for target, tensors in fused.items():
         _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
     _assign_rest(model, state, keys)
+    if modelopt and qconfig["input_scales"]:
+        import warnings
+
+        model.ds_fpquant_input_scales = qconfig["input_scales"]
+        warnings.warn(f"{str(path)!r}: a ModelOpt {qconfig['quant_algo']} checkpoint with static activation scales "
+                      f"(input_scale, {len(qconfig['input_scales'])} layers): ds_fpquant loaded its weights weight-only "
+                      f"(activations are not quantized); the scales are kept in model.ds_fpquant_input_scales",
+                      layout_modelopt.StaticInputScaleWarning, stacklevel=2)
     enable_save_pretrained(model)
     return model.eval()
+
+
+def from_parts(name: str, parts, shape, qconfig, dtype):
+    """:func:`ds_fpquant.checkpoint.disk_format.from_parts`, or for a ModelOpt checkpoint
+    :func:`ds_fpquant.checkpoint.layout_modelopt.from_parts` (its ``input_scale`` kept in ``qconfig``)."""
+    if not layout_modelopt.is_modelopt(qconfig):
+        return layout_from_parts(name, parts, shape, qconfig, dtype)
+    qt, input_scale = layout_modelopt.from_parts(name, parts, shape, qconfig, dtype)
+    if input_scale is not None:
+        qconfig["input_scales"][name] = input_scale
+    return qt
 
 
 def _place(key: str, quantized, linears, keys: CheckpointKeys):
@@ -134,7 +160,7 @@ def _place(key: str, quantized, linears, keys: CheckpointKeys):
     linear weight, ``("expert", ExpertPart, part)`` for a per-expert matrix or its scales,
     ``("stack", parameter, part)`` for a stored expert stack, ``(None, None, None)`` for the rest
     (``part``: ``weight``, ``weight_scale_inv``, ``weight_scale`` or ``weight_scale_2``)."""
-    for suffix in (".weight", *SCALE_SUFFIXES):
+    for suffix in (".weight", *SCALE_SUFFIXES, ".input_scale"):
         if not key.endswith(suffix):
             continue
         name = keys.module(key, suffix, linears)
