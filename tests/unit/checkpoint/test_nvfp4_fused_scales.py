@@ -8,6 +8,7 @@ checkpoint files and check that it changes no bit of any dequantized weight. Tin
 (a dense MLP layer and a MoE layer) from configs."""
 
 import copy
+import json
 import warnings
 
 import numpy as np
@@ -188,3 +189,26 @@ def test_fused_groups_follow_the_engines_names():
 
     assert shared_scale_groups(names[:5] + names[5:6], settings_for) == [
         ("m.layers.0.mlp.gate_proj", "m.layers.0.mlp.up_proj")]
+
+
+def test_a_group_spread_over_shards_is_read_together(sources, tmp_path):
+    """q/k/v and gate/up in different shards of an indexed checkpoint: read together when the first comes, each
+    written once, the same files as from one shard."""
+    _, model = sources["llama"]
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    attention = [index[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert len(set(attention)) > 1  # the group is spread over shards
+    summary = checkpoint.quantize_checkpoint(tmp_path / "sharded", tmp_path / "q", "nvfp4", progress=False)
+    assert summary["quantized"] == 14
+    written = read_tensors(tmp_path / "q")
+    assert_max_rule_changes_nothing(written, 4)
+    checkpoint.quantize_checkpoint(sources["llama"][0], tmp_path / "q1", "nvfp4", progress=False)
+    one_shard = read_tensors(tmp_path / "q1")
+    assert written.keys() == one_shard.keys()
+    for key, tensor in one_shard.items():
+        assert torch.equal(written[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), key
+    loaded = fpq.load_quantized(tmp_path / "sharded", fp_quantization={"fmt": "nvfp4"})  # quantize while loading
+    applied = fpq.apply(copy.deepcopy(model), {"fp_quantization": {"fmt": "nvfp4"}})
+    ours, theirs = dict(loaded.named_buffers()), dict(applied.named_buffers())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], b) for k, b in theirs.items())
