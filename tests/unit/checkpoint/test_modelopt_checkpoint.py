@@ -7,12 +7,14 @@ import json
 
 import pytest
 import torch
+from unit.moe_models import tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_llama
 
 import ds_fpquant as fpq
 from ds_fpquant.checkpoint import layout_modelopt
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
@@ -21,24 +23,23 @@ qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 ALGOS = {"FP8": "FP8_DEFAULT_CFG", "NVFP4": "NVFP4_DEFAULT_CFG"}
 
 
+def export_with_modelopt(model, cfg, path, vocab):
+    model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
+    ids = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def calibrate(m):
+        with torch.no_grad():
+            m(ids)
+
+    export.export_hf_checkpoint(mtq.quantize(model, getattr(mtq, cfg), calibrate), export_dir=path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """quant_algo -> directory that ModelOpt's export wrote."""
-    out = {}
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    for algo, cfg in ALGOS.items():
-        model = tiny_llama()
-        model.config.architectures = ["LlamaForCausalLM"]  # ModelOpt's export reads it
-
-        def calibrate(m):
-            with torch.no_grad():
-                m(ids)
-
-        model = mtq.quantize(model, getattr(mtq, cfg), calibrate)
-        path = tmp_path_factory.mktemp(algo)
-        export.export_hf_checkpoint(model, export_dir=path)
-        out[algo] = path
-    return out
+    return {algo: export_with_modelopt(tiny_llama(), cfg, tmp_path_factory.mktemp(algo), 100)
+            for algo, cfg in ALGOS.items()}
 
 
 def modelopt_dequantize(tensors, base, algo, shape):
@@ -108,3 +109,26 @@ def test_modelopt_config_errors(tmp_path):
     per_channel, _ = layout_modelopt.from_parts("m", {"weight": weight, "weight_scale": torch.arange(1.0, 5.0)},
                                                 (4, 32), config, torch.float32)
     assert per_channel.block == (1, 32) and torch.equal(per_channel.scales, torch.arange(1.0, 5.0).reshape(4, 1))
+
+
+def test_modelopt_nvfp4_qwen3_moe_experts_load_bit_exact(tmp_path):
+    """ModelOpt's export of a Qwen3-MoE writes per-expert gate/up/down (one weight_scale_2 for an expert's gate and
+    up) and excludes the router; ds_fpquant installs them as quantized expert stacks, each expert's matrix the
+    ModelOpt dequantization of its parts stacked (gate over up)."""
+    path = export_with_modelopt(tiny_qwen3_moe(), "NVFP4_DEFAULT_CFG", tmp_path / "moe", 97)
+    tensors = read_tensors(path)
+    with pytest.warns(layout_modelopt.StaticInputScaleWarning):
+        model = fpq.load_quantized(path)
+    experts = quantized_experts(model.model.layers[1].mlp.experts)
+    assert set(experts) == {"gate_up_proj", "down_proj"}
+    base = "model.layers.1.mlp.experts"
+    for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
+        for e, qt in enumerate(experts[pname]):
+            ours = fpq.dequantize(qt, torch.float32)
+            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", "NVFP4",
+                                                    (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
+                                for p in parts])
+            nonzero = theirs != 0
+            assert torch.equal(ours, theirs) and torch.equal(ours[nonzero].view(torch.int32),
+                                                             theirs[nonzero].view(torch.int32)), (pname, e)
+    assert type(model.model.layers[1].mlp.gate).__name__ != "FPQuantizedLinear"  # the router, excluded

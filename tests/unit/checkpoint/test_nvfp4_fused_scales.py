@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import transformers
+from unit.moe_models import tiny_qwen3_moe
 from unit.oracle import assert_bitwise_equal, code_values, quantize_nvfp4_rows
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_llama
@@ -26,16 +26,6 @@ from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale
 
 E2M1 = torch.tensor(code_values("e2m1"), dtype=torch.float32)
-
-
-def tiny_qwen3_moe():
-    """A 2-layer Qwen3-MoE (hidden 64, 4 experts; layer 0 a dense MLP, layer 1 MoE), seeded."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
-                                         max_position_embeddings=64)
-    return transformers.Qwen3MoeForCausalLM(config).eval()
 
 
 MODELS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
