@@ -7,6 +7,7 @@ is made.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -88,6 +89,11 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
                  if (name := keys.module(key, suffix, linears)) is not None}
     quantized |= {name for key, (dtype_name, _) in headers.items() if dtype_name in code_dtypes
                   and (name := keys.module(key, ".weight", linears)) is not None}
+    if modelopt:  # a module with scales that exclude_modules leaves unquantized: the description and files disagree
+        contradicted = sorted(name for name in quantized if layout_modelopt.excluded(name, qconfig))
+        if contradicted:
+            raise ValueError(f"{str(path)!r}: exclude_modules {qconfig['exclude_modules']} names these modules, which "
+                             f"the files hold quantized: {contradicted}")
     parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
     expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
     fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
@@ -133,8 +139,6 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         _load_fused_experts(model, keys, target, tensors, qconfig, dtype, state, backend, compute_dtype)
     _assign_rest(model, state, keys)
     if modelopt and qconfig["input_scales"]:
-        import warnings
-
         model.ds_fpquant_input_scales = qconfig["input_scales"]
         warnings.warn(f"{str(path)!r}: a ModelOpt {qconfig['quant_algo']} checkpoint with static activation scales "
                       f"(input_scale, {len(qconfig['input_scales'])} layers): ds_fpquant loaded its weights weight-only "

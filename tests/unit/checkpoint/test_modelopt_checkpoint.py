@@ -4,6 +4,7 @@ nvidia-modelopt itself on CPU (``mtq.quantize`` with its FP8 / NVFP4 default con
 ModelOpt's own dequantization (``FP8QTensor`` / ``NVFP4QTensor.dequantize``) bit for bit."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -132,3 +133,12 @@ def test_modelopt_nvfp4_qwen3_moe_experts_load_bit_exact(tmp_path):
             assert torch.equal(ours, theirs) and torch.equal(ours[nonzero].view(torch.int32),
                                                              theirs[nonzero].view(torch.int32)), (pname, e)
     assert type(model.model.layers[1].mlp.gate).__name__ != "FPQuantizedLinear"  # the router, excluded
+
+
+def test_exclude_modules_that_contradict_the_files_are_refused(exported, tmp_path):
+    path = shutil.copytree(exported["NVFP4"], tmp_path / "edited")
+    hf = json.loads((path / "hf_quant_config.json").read_text())
+    hf["quantization"]["exclude_modules"].append("model.layers.0.self_attn.*")
+    (path / "hf_quant_config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"which the files hold quantized: \['model.layers.0.self_attn.k_proj'"):
+        fpq.load_quantized(path)
