@@ -5,6 +5,7 @@ ModelOpt's own dequantization (``FP8QTensor`` / ``NVFP4QTensor.dequantize``) bit
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
-ALGOS = {"FP8": "FP8_DEFAULT_CFG", "NVFP4": "NVFP4_DEFAULT_CFG"}
+ALGOS = {"FP8": "FP8_DEFAULT_CFG", "NVFP4": "NVFP4_DEFAULT_CFG", "W4A16_NVFP4": "W4A16_NVFP4_CFG"}
 
 
 def export_with_modelopt(model, cfg, path, vocab):
@@ -59,8 +60,15 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "modelopt" and config["quant_algo"] == algo
     tensors = read_tensors(path)
-    with pytest.warns(layout_modelopt.StaticInputScaleWarning, match="weight-only"):
-        model = fpq.load_quantized(path)
+    if algo == "W4A16_NVFP4":  # weight-only: no input_scale, nothing to warn about
+        assert not any(k.endswith(".input_scale") for k in tensors)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", layout_modelopt.StaticInputScaleWarning)
+            model = fpq.load_quantized(path)
+        assert not hasattr(model, "ds_fpquant_input_scales")
+    else:
+        with pytest.warns(layout_modelopt.StaticInputScaleWarning, match="weight-only"):
+            model = fpq.load_quantized(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FPQuantizedLinear)}
     assert len(layers) == 14 and type(model.lm_head) is torch.nn.Linear  # lm_head is in exclude_modules
     for name, layer in layers.items():
@@ -70,9 +78,10 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
         # bit for bit, but for the sign of zero: ModelOpt's e2m1 table decodes the code 0x8 as +0, SPEC 1 as -0
         nonzero = theirs != 0
         assert torch.equal(ours[nonzero].view(torch.int32), theirs[nonzero].view(torch.int32)), name
-        if algo == "NVFP4":
+        if algo != "FP8":
             assert torch.equal(layer.quantized_weight.tensor_scale, tensors[f"{name}.weight_scale_2"])
-        assert torch.equal(model.ds_fpquant_input_scales[name], tensors[f"{name}.input_scale"]), name
+        if algo != "W4A16_NVFP4":
+            assert torch.equal(model.ds_fpquant_input_scales[name], tensors[f"{name}.input_scale"]), name
     for name, tensor in model.state_dict().items():  # everything else as stored
         if name in tensors and not any(name.startswith(f"{n}.") for n in layers):
             assert torch.equal(tensor, tensors[name]), name
