@@ -4,11 +4,12 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
 ``modelopt/torch/quantization/qtensor/``, and checked on files it wrote):
 
 - ``hf_quant_config.json``: ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "FP8" |
-  "NVFP4" | "W4A16_NVFP4" | ..., "group_size": 16 (NVFP4), "exclude_modules": [fnmatch patterns],
+  "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | ..., "group_size": 16 (NVFP4), "exclude_modules": [fnmatch patterns],
   "kv_cache_quant_algo": ...}}``; ``config.json``'s ``quantization_config`` then has ``quant_method: "modelopt"``
   and the same ``quant_algo`` (plus compressed-tensors-style ``config_groups`` and ``ignore``).
 - FP8: ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` fp32, a multiplier (``w = q * s``):
-  0-dim (per tensor) or ``(N,)`` / ``(N, 1)`` (per output channel); ``<m>.input_scale`` fp32 0-dim (static).
+  0-dim (per tensor, ``FP8``) or ``(N,)`` (per output channel, ``FP8_PER_CHANNEL_PER_TOKEN``; ``(N, 1)`` read too);
+  ``<m>.input_scale`` fp32 0-dim (static, ``FP8`` only).
 - NVFP4: ``<m>.weight`` ``uint8`` ``(N, K/2)``, two e2m1 codes a byte, the first in the low nibble (the packing of
   SPEC 6); ``<m>.weight_scale`` ``float8_e4m3fn`` ``(N, K/16)``; ``<m>.weight_scale_2`` fp32 0-dim, a multiplier:
   ``w = q * fl(fp32(weight_scale) * weight_scale_2)``, exactly SPEC 3.4's ``fl(decode(q) * fl(decode(c) * t))``;
@@ -38,7 +39,10 @@ MODELOPT_METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 #: quant_algo -> (weight format, whether activations carry a static input_scale)
-ALGOS = {"FP8": ("e4m3", True), "NVFP4": ("nvfp4", True), "W4A16_NVFP4": ("nvfp4", False)}
+#: (FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, activations dynamic per token, no input_scale; loaded
+#: weight-only like the rest)
+ALGOS = {"FP8": ("e4m3", True), "FP8_PER_CHANNEL_PER_TOKEN": ("e4m3", False), "NVFP4": ("nvfp4", True),
+         "W4A16_NVFP4": ("nvfp4", False)}
 
 NVFP4_GROUP = 16
 
@@ -59,8 +63,8 @@ def check_config(qconfig: Optional[Dict[str, Any]], path: Path) -> Dict[str, Any
     ``{"quant_method": "modelopt", "quant_algo", "fmt", "group_size", "exclude_modules", "static_activations"}``.
 
     Raises:
-        ValueError: neither describes a ModelOpt checkpoint, an unsupported ``quant_algo`` (allowed: FP8, NVFP4,
-            W4A16_NVFP4), an NVFP4 ``group_size`` other than 16, ``exclude_modules`` that is not a list of str.
+        ValueError: neither describes a ModelOpt checkpoint, an unsupported ``quant_algo`` (allowed: FP8,
+            FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4), an NVFP4 ``group_size`` other than 16, ``exclude_modules`` that is not a list of str.
     """
     source, where = qconfig, f"{str(path / 'config.json')!r}: quantization_config"
     hf_file = Path(path) / HF_QUANT_CONFIG

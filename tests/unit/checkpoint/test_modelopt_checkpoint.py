@@ -22,7 +22,10 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
-ALGOS = {"FP8": "FP8_DEFAULT_CFG", "NVFP4": "NVFP4_DEFAULT_CFG", "W4A16_NVFP4": "W4A16_NVFP4_CFG"}
+ALGOS = {"FP8": "FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+         "NVFP4": "NVFP4_DEFAULT_CFG", "W4A16_NVFP4": "W4A16_NVFP4_CFG"}
+#: the algos whose checkpoints carry static activation scales (input_scale)
+STATIC = ("FP8", "NVFP4")
 
 
 def export_with_modelopt(model, cfg, path, vocab):
@@ -46,9 +49,10 @@ def exported(tmp_path_factory):
 
 def modelopt_dequantize(tensors, base, algo, shape):
     """ModelOpt's own dequantization of one weight, fp32."""
-    if algo == "FP8":
+    if algo.startswith("FP8"):
+        scale = tensors[f"{base}.weight_scale"]
         return qtensor.FP8QTensor(torch.Size(shape), torch.float32, tensors[f"{base}.weight"]).dequantize(
-            torch.float32, scale=tensors[f"{base}.weight_scale"])
+            torch.float32, scale=scale if scale.dim() == 0 else scale.reshape(-1, 1))
     return qtensor.NVFP4QTensor(torch.Size(shape), torch.float32, tensors[f"{base}.weight"]).dequantize(
         torch.float32, scale=tensors[f"{base}.weight_scale"], double_scale=tensors[f"{base}.weight_scale_2"],
         block_sizes={-1: 16})
@@ -60,7 +64,7 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "modelopt" and config["quant_algo"] == algo
     tensors = read_tensors(path)
-    if algo == "W4A16_NVFP4":  # weight-only: no input_scale, nothing to warn about
+    if algo not in STATIC:  # no input_scale, nothing to warn about
         assert not any(k.endswith(".input_scale") for k in tensors)
         with warnings.catch_warnings():
             warnings.simplefilter("error", layout_modelopt.StaticInputScaleWarning)
@@ -78,9 +82,11 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
         # bit for bit, but for the sign of zero: ModelOpt's e2m1 table decodes the code 0x8 as +0, SPEC 1 as -0
         nonzero = theirs != 0
         assert torch.equal(ours[nonzero].view(torch.int32), theirs[nonzero].view(torch.int32)), name
-        if algo != "FP8":
+        if "NVFP4" in algo:
             assert torch.equal(layer.quantized_weight.tensor_scale, tensors[f"{name}.weight_scale_2"])
-        if algo != "W4A16_NVFP4":
+        if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+            assert layer.quantized_weight.block == (1, ours.shape[1])
+        if algo in STATIC:
             assert torch.equal(model.ds_fpquant_input_scales[name], tensors[f"{name}.input_scale"]), name
     for name, tensor in model.state_dict().items():  # everything else as stored
         if name in tensors and not any(name.startswith(f"{n}.") for n in layers):
@@ -99,7 +105,7 @@ def test_modelopt_nvfp4_export_shares_tensor_scales_like_ds_fpquant(exported):
 
 def test_modelopt_config_errors(tmp_path):
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W4A16_AWQ"}}))
-    with pytest.raises(ValueError, match="quant_algo='W4A16_AWQ'; ds_fpquant reads FP8, NVFP4, W4A16_NVFP4"):
+    with pytest.raises(ValueError, match="quant_algo='W4A16_AWQ'; ds_fpquant reads FP8, FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4"):
         layout_modelopt.check_config({"quant_method": "modelopt"}, tmp_path)
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4",
                                                                                  "group_size": 32}}))
