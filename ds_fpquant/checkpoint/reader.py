@@ -38,7 +38,10 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
 
     - A quantized checkpoint (``fp_quantization=None``): the codes and scales as stored, in either layout of
       :func:`~ds_fpquant.quantize_checkpoint`, including block-FP8 checkpoints written by other tools
-      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style).
+      (``quant_method: "fp8"`` with ``weight_block_size``, DeepSeek-V3 style), and NVIDIA ModelOpt checkpoints
+      (``quant_method: "modelopt"``: FP8 per tensor / per channel, NVFP4, W4A16_NVFP4;
+      :mod:`ds_fpquant.checkpoint.layout_modelopt`), weight-only: static ``input_scale`` values are kept in
+      ``model.ds_fpquant_input_scales`` and not applied (one ``StaticInputScaleWarning``).
     - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
       read once; a linear or expert weight the settings select is quantized as it is read, everything else
       assigned as read. The result is bit-identical to :func:`ds_fpquant.apply` on the model
