@@ -160,11 +160,11 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, qconfig: Dict[s
         qt.validate()
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
-    _check_scale_values(name, qt)
+    check_scale_values(name, qt)
     return qt
 
 
-def _check_scale_values(name: str, qt) -> None:
+def check_scale_values(name: str, qt) -> None:
     """Stored scales must be what SPEC 3 can produce: fp32 scales positive (NaN marks a faulty group),
     NVFP4 scale codes non-negative and a finite tensor scale >= 2^-126; E8M0 bytes are all valid."""
     if qt.scale_format == "fp32":

@@ -13,12 +13,12 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["model_dir", "read_config", "Shard", "UnindexedTensorsWarning", "shard_files", "tensor_headers",
-           "iter_tensors", "model_class_for", "meta_model", "ShardWriter", "new_output_dir", "clear_output",
+           "iter_tensors", "read_tensors", "model_class_for", "meta_model", "ShardWriter", "new_output_dir", "clear_output",
            "copy_other_files"]
 
 CONFIG = "config.json"
@@ -152,15 +152,35 @@ def tensor_headers(shards: Sequence[Shard]) -> Dict[str, Tuple[str, Tuple[int, .
     return headers
 
 
-def iter_tensors(shards: Sequence[Shard]) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_tensors(shards: Sequence[Shard], skip: Container[str] = ()) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor, one at a time, each from the shard the index names
-    (:func:`tensor_headers` reports what is left out)."""
+    (:func:`tensor_headers` reports what is left out); names in ``skip`` (looked up as each one comes, so the
+    caller may add to it: tensors it read ahead with :func:`read_tensors`) are not read."""
     from safetensors import safe_open
 
     for shard in shards:
         with safe_open(shard.path, framework="pt") as fh:
             for key in _taken(shard, fh.keys()):
-                yield key, fh.get_tensor(key)
+                if key not in skip:
+                    yield key, fh.get_tensor(key)
+
+
+def read_tensors(shards: Sequence[Shard], keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The tensors ``keys``, each from the shard the index names (``KeyError`` for one no shard holds)."""
+    from safetensors import safe_open
+
+    out: Dict[str, torch.Tensor] = {}
+    for shard in shards:
+        wanted = [k for k in keys if k not in out and (shard.keys is None or k in shard.keys)]
+        if not wanted:
+            continue
+        with safe_open(shard.path, framework="pt") as fh:
+            held = set(fh.keys())
+            out.update({k: fh.get_tensor(k) for k in wanted if k in held})
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise KeyError(f"no shard holds {missing}")
+    return {k: out[k] for k in keys}
 
 
 def model_class_for(config, model_class=None):

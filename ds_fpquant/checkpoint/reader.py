@@ -17,8 +17,8 @@ from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, 
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
 from ds_fpquant.nn.experts import install_quantized_experts
-from ds_fpquant.nn.model_walk import linear_modules
-from ds_fpquant.tensor.quantize import quantize
+from ds_fpquant.nn.model_walk import linear_modules, shared_scale_groups
+from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import join_rows
 
 __all__ = ["load_quantized"]
@@ -302,6 +302,7 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
     dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
     layer = dict(compute_dtype=config.compute_dtype, backend=config.backend, activation=config.activation)
     weights, bias_of, experts, pending, state, kept_experts = {}, {}, {}, {}, {}, {}
+    group_of = {name: group for group in shared_scale_groups(plan.values(), config.settings_for) for name in group}
     for key, tensor in iter_tensors(files):
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -325,11 +326,19 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
             kept_experts.setdefault(part.target, {})[(part.expert, part.part)] = {"weight": tensor}
         else:
             state[key] = tensor
-        for name in [n for n in weights if n in bias_of or stored[n][:-len("weight")] + "bias" not in headers]:
+        read = [n for n in weights if n in bias_of or stored[n][:-len("weight")] + "bias" not in headers]
+        # NVFP4 layers that serving engines fuse wait for the rest of their group: one shared tensor scale
+        ready = [n for n in read if all(m in read for m in group_of.get(n, ()))]
+        shared = {}
+        for group in {group_of[n] for n in ready if n in group_of}:
+            t = nvfp4_shared_tensor_scale([weights[m] for m in group])
+            shared.update((m, t) for m in group)
+        for name in ready:
             module = model.get_submodule(name)  # weight (and bias) read: quantize it now, drop the tensor
             linear = as_linear(_with_weights(module, weights.pop(name), bias_of.pop(name, None)))
             parent, child = parent_module(model, name)
-            setattr(parent, child, FPQuantizedLinear.from_linear(linear, **layer, **config.settings_for(name)))
+            settings = {**config.settings_for(name), **({"tensor_scale": shared[name]} if name in shared else {})}
+            setattr(parent, child, FPQuantizedLinear.from_linear(linear, **layer, **settings))
     for target, by_expert in experts.items():
         module_name, pname = keys.params[target]
         install_quantized_experts(model.get_submodule(module_name), pname, [by_expert[e] for e in sorted(by_expert)],

@@ -36,17 +36,18 @@ from ds_fpquant.checkpoint.hf_files import (
     model_dir,
     new_output_dir,
     read_config,
+    read_tensors,
     shard_files,
     tensor_headers,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
-from ds_fpquant.nn.model_walk import linear_modules
+from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, resolve_granularity
-from ds_fpquant.tensor.quantize import check_settings, quantize
+from ds_fpquant.tensor.quantize import check_settings, nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import split_rows
 
-__all__ = ["PartialBlocksWarning", "quantize_checkpoint", "save_quantized"]
+__all__ = ["PartialBlocksWarning", "UnsharedTensorScaleWarning", "quantize_checkpoint", "save_quantized"]
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -91,6 +92,13 @@ def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude:
 
 class PartialBlocksWarning(UserWarning):
     """Weights kept in full precision by the ``allow_partial_blocks`` rule of :func:`quantize_checkpoint`."""
+
+
+class UnsharedTensorScaleWarning(UserWarning):
+    """:func:`save_quantized` writes NVFP4 layers that vLLM and SGLang fuse (q/k/v, gate/up) with different tensor
+    scales (``weight_scale_2``): those engines use the largest for all of them and mis-scale the others. Models
+    quantized by this version (``apply``, ``load_quantized``) share them; this comes from a model that was not
+    (a checkpoint of an earlier version, layers quantized one by one)."""
 
 
 def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[int, int]] = None,
@@ -195,8 +203,16 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     not_converted += [name for name in keys.params if name not in quantized_targets]
     device = "cuda" if backend == "cuda" else "cpu"
 
-    def quantize_matrix(weight: torch.Tensor, target: str):
-        return quantize(weight.to(device), **config.settings_for(target), backend=backend)
+    def quantize_matrix(weight: torch.Tensor, target: str, tensor_scale=None):
+        extra = {} if tensor_scale is None else {"tensor_scale": tensor_scale}
+        return quantize(weight.to(device), **config.settings_for(target), backend=backend, **extra)
+
+    # NVFP4: the linears serving engines fuse (q/k/v, gate/up) share one tensor scale (SPEC 3.4); a group's
+    # weights are read together when its first one comes, and skipped when the others come
+    key_of = {name: key for key, name in plan.items()}
+    group_of = {key_of[name]: [key_of[n] for n in group]
+                for group in shared_scale_groups(plan.values(), config.settings_for) for name in group}
+    read_ahead: set = set()
 
     def expert_matrices(target: str, part_keys: Sequence[str], tensors: Sequence[torch.Tensor]):
         """(checkpoint base name, QuantizedTensor) of one expert's parts: quantized together as the row of the
@@ -216,9 +232,18 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         dtypes: Counter = Counter()
         bytes_before = bytes_after = 0
         pending: Dict[Tuple[str, int], Dict[int, Tuple[str, torch.Tensor]]] = {}  # an expert's parts read so far
-        for key, tensor in tqdm(iter_tensors(files), total=len(headers), desc="quantize", unit="tensor",
+        for key, tensor in tqdm(iter_tensors(files, read_ahead), total=len(headers), desc="quantize", unit="tensor",
                                 disable=not progress):
-            if key in plan:
+            sources = (tensor,)
+            if key in group_of:  # all of a fused group at once, with its shared tensor scale
+                others = [k for k in group_of[key] if k != key]
+                read_ahead.update(others)
+                tensors_of = {key: tensor, **read_tensors(files, others)}
+                weights = {k: t.t() if linears[plan[k]] else t for k, t in tensors_of.items()}
+                shared = nvfp4_shared_tensor_scale(list(weights.values()))
+                written = [(k[:-len(".weight")], quantize_matrix(weights[k], plan[k], shared)) for k in group_of[key]]
+                sources = tuple(tensors_of.values())
+            elif key in plan:
                 name = plan[key]
                 weight = tensor.t() if linears[name] else tensor  # Conv1D (in, out) -> (out, in)
                 written = [(key[:-len(".weight")], quantize_matrix(weight, name))]
@@ -249,7 +274,8 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
             for base, qt in written:
                 _write_quantized(writer, base, qt, method)
                 bytes_after += qt.nbytes
-            sources = tensors if key in expert_plan else (tensor,)
+            if key in expert_plan:
+                sources = tensors
             dtypes[str(tensor.dtype).replace("torch.", "")] += len(sources)
             bytes_before += sum(t.numel() * t.element_size() for t in sources)
         if pending:
@@ -354,6 +380,13 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     if partial:
         warnings.warn(f"written although transformers' FP8 loader would misread or refuse them: {', '.join(partial)}",
                       PartialBlocksWarning, stacklevel=2)
+    unshared = [group for group in fused_groups(layers) if all(layers[n][0].fmt == "nvfp4" for n in group)
+                and len({layers[n][0].tensor_scale.item() for n in group}) > 1]
+    if unshared:
+        warnings.warn(f"these NVFP4 layers, which vLLM and SGLang fuse, have different tensor scales (weight_scale_2); "
+                      f"those engines would use the largest for all of a group and mis-scale the others (quantize "
+                      f"them again with ds_fpquant.apply or quantize_checkpoint, which share them): "
+                      f"{[list(g) for g in unshared]}", UnsharedTensorScaleWarning, stacklevel=2)
     # exactly the state-dict entries written below from the quantized parts (and the layers' extra state, which
     # the checkpoint's quantization_config replaces), found by the module that holds them (a layer registered
     # under a second name is the same module); every other entry is written as it is, or tied

@@ -13,9 +13,10 @@ from ds_fpquant.integration.autotp import shard_stand_ins, stand_in_linears
 from ds_fpquant.integration.originals import original_init_inference
 from ds_fpquant.nn.experts import quantize_experts_in_place
 from ds_fpquant.nn.in_place import quantize_weight_in_place
-from ds_fpquant.nn.model_walk import as_linear, expert_parameter_names, parent_module
+from ds_fpquant.nn.model_walk import as_linear, expert_parameter_names, parent_module, shared_scale_groups
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_params
+from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale
 
 __all__ = ["apply", "init_inference", "is_quantized_model"]
 
@@ -36,6 +37,10 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
     ``model`` by :class:`FPQuantizedLinear`, and quantize the weights of DeepSpeed AutoTP's sharded
     linear layers in place (:func:`ds_fpquant.nn.in_place.quantize_weight_in_place`), in place.
 
+    With NVFP4, the linears that vLLM and SGLang fuse (:data:`ds_fpquant.nn.model_walk.FUSED_LINEARS`: q/k/v,
+    gate/up, ...) are quantized with one shared tensor scale, ``t`` of their joint amax (SPEC 3.4); the experts
+    of a MoE stack share it per expert (gate and up are one matrix). AutoTP shards keep their own.
+
     Args:
         model: any ``nn.Module``.
         ds_config: a DeepSpeed config (dict or JSON path) holding an ``"fp_quantization"``
@@ -55,10 +60,16 @@ def apply(model: torch.nn.Module, ds_config) -> torch.nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     replaced, before, after = 0, 0, 0
     targets = [(name, linear) for name, m in model.named_modules() if (linear := as_linear(m)) is not None]
+    # NVFP4: the layers serving engines fuse (q/k/v, gate/up) share one tensor scale (SPEC 3.4)
+    weights = dict(targets)
+    shared = {name: t for group in shared_scale_groups(weights, config.settings_for)
+              for t in [nvfp4_shared_tensor_scale([weights[n].weight for n in group])] for name in group}
     for name, linear in targets:
         settings = config.settings_for(name)
         if settings is None:
             continue
+        if name in shared:
+            settings = {**settings, "tensor_scale": shared[name]}
         new = FPQuantizedLinear.from_linear(linear, compute_dtype=config.compute_dtype, backend=config.backend,
                                             activation=config.activation, **settings)
         parent, child = parent_module(model, name)

@@ -3,11 +3,20 @@ are mixture-of-experts stacks, and a module's parent."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["is_conv1d", "as_linear", "parent_module", "linear_modules", "expert_parameter_names", "expert_parameters"]
+__all__ = ["is_conv1d", "as_linear", "parent_module", "linear_modules", "expert_parameter_names", "expert_parameters",
+           "FUSED_LINEARS", "fused_groups", "shared_scale_groups"]
+
+#: Sibling linears (last name components, under one parent module) that vLLM and SGLang load as one fused layer
+#: (their models' ``packed_modules_mapping``: ``qkv_proj``, ``gate_up_proj``, Mixtral-style experts' ``w13``,
+#: DeepSeek-V2/V3's ``fused_qkv_a_proj``). A serving engine gives the fused layer one per-tensor scale, the largest
+#: of its shards', so NVFP4 weights of such a group must share theirs (SPEC 3.4; NVIDIA ModelOpt's export
+#: shares them across the layers that take the same input).
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"),
+                 ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 def is_conv1d(module: torch.nn.Module) -> bool:
@@ -54,3 +63,30 @@ def expert_parameters(model: torch.nn.Module) -> Dict[str, Tuple[str, str]]:
     3-D expert parameter of ``model`` (see :func:`ds_fpquant.nn.model_walk.expert_parameter_names`)."""
     return {f"{name}.{pname}" if name else pname: (name, pname)
             for name, module in model.named_modules() for pname in expert_parameter_names(module)}
+
+
+def fused_groups(names: Iterable[str]) -> List[Tuple[str, ...]]:
+    """The groups of :data:`FUSED_LINEARS` among ``names`` (module names): siblings under one parent whose last
+    components are in one entry, in the entry's order; only groups of two or more (a lone ``q_proj`` is none)."""
+    found: Dict[Tuple[str, int], Dict[int, str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        for i, group in enumerate(FUSED_LINEARS):
+            if leaf in group:
+                found.setdefault((parent, i), {})[group.index(leaf)] = name
+    return [tuple(members[j] for j in sorted(members)) for members in found.values() if len(members) > 1]
+
+
+def shared_scale_groups(names: Iterable[str], settings_for: Callable[[str], Optional[Dict[str, Any]]]) -> List[Tuple[str, ...]]:
+    """The :func:`fused_groups` of ``names`` whose weights share one NVFP4 tensor scale: those quantized
+    (``settings_for(name)`` not ``None``) to ``fmt="nvfp4"`` with the same settings; a member with other
+    settings (an override) or left unquantized keeps its own."""
+    groups = []
+    for group in fused_groups(names):
+        by_settings: Dict[str, List[str]] = {}
+        for name in group:
+            settings = settings_for(name)
+            if settings is not None and settings.get("fmt") == "nvfp4":
+                by_settings.setdefault(repr(sorted(settings.items())), []).append(name)
+        groups += [tuple(members) for members in by_settings.values() if len(members) > 1]
+    return groups

@@ -180,8 +180,11 @@ def block_scales(x2: torch.Tensor, f: FPFormat, block: Tuple[int, int], e8m0: Op
     return stored, used.repeat_interleave(br, dim=0)[:n].contiguous()
 
 
-def nvfp4_scales(x2: torch.Tensor, group_size: int):
+def nvfp4_scales(x2: torch.Tensor, group_size: int, tensor_scale: Optional[torch.Tensor] = None):
     """NVFP4 scales (SPEC 3.4) of ``x2`` ``(R, K)`` in groups of ``group_size`` along K.
+
+    ``tensor_scale``: a given 0-d fp32 ``t`` on ``x2``'s device (checked by the caller; the tensor scale a
+    fused group shares, SPEC 3.4), else ``t`` of ``x2``'s own amax.
 
     Returns ``(stored, t, used, zero)``: the stored e4m3 group scale codes (uint8 ``(R, ceil(K/G))``,
     ``0x7F`` for a group with NaN/Inf), the 0-d fp32 tensor scale ``t``, the fp32 scale each group's
@@ -191,8 +194,10 @@ def nvfp4_scales(x2: torch.Tensor, group_size: int):
     """
     element, scale_code = get_format(NVFP4_ELEMENT_FORMAT), get_format(NVFP4_SCALE_FORMAT)
     amax, nonfinite = group_amax(fp32_groups(x2, group_size))
-    amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
-    t = nvfp4_tensor_scale(amax_tensor, element, scale_code)
+    if tensor_scale is None:
+        amax_tensor = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32, device=x2.device)
+        tensor_scale = nvfp4_tensor_scale(amax_tensor, element, scale_code)
+    t = tensor_scale
     stored, s = group_scales(amax, nonfinite, element, tensor_scale=t)  # 0x7F marks a fault (SPEC 3.4)
     zero = ~torch.isfinite(torch.ones((), dtype=torch.float32, device=s.device) / s)
     return stored, t, torch.where(zero, torch.ones_like(s), s), zero

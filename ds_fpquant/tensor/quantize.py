@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -11,14 +12,24 @@ from ds_fpquant.numerics import checks
 from ds_fpquant.numerics.choices import BACKENDS, GROUPINGS, ROUNDINGS, SCALE_FORMATS, SCALE_ROUNDINGS
 from ds_fpquant.numerics.codec import ieee_denormals
 from ds_fpquant.numerics.formats import (
+    NVFP4_ELEMENT_FORMAT,
     NVFP4_SCALE_FORMAT,
     FPFormat,
     element_format,
+    get_format,
     resolve_granularity,
     resolve_scaling,
 )
 from ds_fpquant.numerics.packing import ceil_div
-from ds_fpquant.numerics.scales import block_scales, check_given_scales, clear_groups, nvfp4_scales
+from ds_fpquant.numerics.scales import (
+    SCALE_FLOOR,
+    block_scales,
+    check_given_scales,
+    clear_groups,
+    group_amax,
+    nvfp4_scales,
+    nvfp4_tensor_scale,
+)
 from ds_fpquant.ops import backends
 from ds_fpquant.tensor.quantized_tensor import (
     QuantizedTensor,
@@ -29,7 +40,7 @@ from ds_fpquant.tensor.quantized_tensor import (
     scales_shape_for,
 )
 
-__all__ = ["quantize", "dequantize", "check_settings"]
+__all__ = ["quantize", "dequantize", "check_settings", "nvfp4_shared_tensor_scale"]
 
 
 def check_settings(fmt: str = "e4m3", group_size: Optional[int] = None, *, grouping: str = "row",
@@ -98,6 +109,7 @@ def quantize(
     backend: str = "auto",
     scales: Optional[torch.Tensor] = None,
     granularity: Optional[str] = None,
+    tensor_scale: Optional[torch.Tensor] = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt`` codes with one scale per group of ``group_size`` elements.
 
@@ -140,6 +152,10 @@ def quantize(
         scales: optional caller-given fp32 scales shaped like the result's ``scales`` (finite,
             ``>= 2^-126``); elements are then encoded with ``r = fl(1/s)`` of these (SPEC 4,
             saturating where they are too small) and they are stored as given.
+        tensor_scale: ``fmt="nvfp4"`` only: a given fp32 per-tensor scale ``t`` (0-d, finite, ``>= 2^-126``,
+            any device), used instead of ``t`` of ``x``'s own amax and stored as given. The layers that
+            serving engines fuse (q/k/v, gate/up) share one: pass each of them
+            :func:`nvfp4_shared_tensor_scale` of all of them (SPEC 3.4).
 
     Returns:
         :class:`QuantizedTensor` with codes packed as SPEC 6 and the scales of SPEC 3.1 (fp32; NaN
@@ -163,6 +179,9 @@ def quantize(
     if scales is not None and (scale_format != "fp32" or nvfp4):
         raise ValueError(f"scales= takes fp32 scales; it cannot be combined with fmt={fmt!r}, "
                          f"scale_format={scale_format!r}")
+    given_t = None
+    if tensor_scale is not None:
+        given_t = _check_tensor_scale(tensor_scale, fmt).to(x.device)
     e8m0 = scale_rounding if scale_format == "e8m0" else None
     if block is not None:
         if granularity is not None and x.dim() != 2:
@@ -191,7 +210,7 @@ def quantize(
             stored, scales = block_scales(x2, f, block, e8m0)
             scales_shape, e8m0 = tuple(stored.shape), None  # encode with the per-segment fp32 scales
         elif nvfp4:  # group scales from two-level scaling, then the row kernels with those scales
-            stored, tensor_scale, scales, zero = nvfp4_scales(x2, g_eff)
+            stored, tensor_scale, scales, zero = nvfp4_scales(x2, g_eff, given_t)
         seed_, offset_ = stream if stream is not None else (0, 0)
         packed, s = impl.quantize(x2, f.name, g_eff, scales, stream is not None, seed_, offset_, e8m0 or "")
         if zero is not None:
@@ -208,6 +227,46 @@ def quantize(
         scale_format=scale_format,
         tensor_scale=tensor_scale,
     )
+
+
+def _check_tensor_scale(tensor_scale, fmt: str) -> torch.Tensor:
+    if fmt != "nvfp4":
+        raise ValueError(f"tensor_scale= is NVFP4's per-tensor scale (SPEC 3.4); got fmt={fmt!r}")
+    if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.dtype != torch.float32 or tensor_scale.dim() != 0:
+        got = (f"{tensor_scale.dtype} of shape {tuple(tensor_scale.shape)}" if isinstance(tensor_scale, torch.Tensor)
+               else type(tensor_scale).__name__)
+        raise TypeError(f"tensor_scale must be a 0-d torch.float32 tensor, got {got}")
+    t = tensor_scale.item()
+    if not (math.isfinite(t) and t >= SCALE_FLOOR):
+        raise ValueError(f"tensor_scale={t!r} must be finite and >= 2^-126 (SPEC 3.4)")
+    return tensor_scale.detach().clone()
+
+
+def nvfp4_shared_tensor_scale(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The NVFP4 tensor scale that the matrices ``tensors`` share (SPEC 3.4): ``t`` of their joint amax, the
+    largest ``|x|`` over the finite elements of all of them; a 0-d fp32 tensor on the first one's device.
+
+    ``quantize(x, "nvfp4", tensor_scale=nvfp4_shared_tensor_scale([x]))`` is ``quantize(x, "nvfp4")``; for the
+    layers a serving engine fuses into one (vLLM and SGLang fuse q/k/v and gate/up, and use the largest of the
+    shards' tensor scales with each shard's group scales unchanged), quantize each with the scale of the
+    group, as NVIDIA ModelOpt's export does.
+
+    Args:
+        tensors: a non-empty sequence of fp32 / fp16 / bf16 tensors, any shapes, on one device.
+
+    Raises:
+        TypeError, ValueError: an empty sequence, a non-tensor or a tensor of another dtype, tensors on
+            different devices.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"tensors must be a non-empty list or tuple of tensors, got {type(tensors).__name__}")
+    for i, x in enumerate(tensors):
+        checks.check_tensor(f"tensors[{i}]", x)
+        checks.check_device(f"tensors[{i}]", x, tensors[0].device)
+    with torch.no_grad():
+        amax = torch.stack([group_amax(x.detach().reshape(1, -1).to(torch.float32))[0][0] if x.numel()
+                            else torch.zeros((), dtype=torch.float32, device=x.device) for x in tensors]).amax()
+        return nvfp4_tensor_scale(amax, get_format(NVFP4_ELEMENT_FORMAT), get_format(NVFP4_SCALE_FORMAT))
 
 
 def dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, *, backend: str = "auto") -> torch.Tensor:

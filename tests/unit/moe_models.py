@@ -28,3 +28,13 @@ def tiny_moe(kind: str):
         model_class = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(0)
     return model_class(config).eval()
+
+
+def tiny_qwen3_moe():
+    """A 2-layer Qwen3-MoE (hidden 64, 4 experts of 32; layer 0 a dense MLP, layer 1 MoE), seeded, eval mode."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+                                         max_position_embeddings=64)
+    return transformers.Qwen3MoeForCausalLM(config).eval()

@@ -15,9 +15,9 @@ from typing import Any, Dict
 
 import torch
 
-from ds_fpquant.checkpoint import layouts
 from ds_fpquant.checkpoint.disk_format import FP8_METHOD, OWN_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
 from ds_fpquant.checkpoint.hf_files import CONFIG
+from ds_fpquant.checkpoint.layouts import registry as layouts
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 _FP8_CODES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -61,13 +61,13 @@ def _per_tensor_fp8(name: str, parts: Dict[str, torch.Tensor], shape, dtype) -> 
 
 def checked(name: str, qt: QuantizedTensor) -> QuantizedTensor:
     """``qt`` validated, its scale values checked (``ValueError`` / ``TypeError`` naming ``name``)."""
-    from ds_fpquant.checkpoint.disk_format import _check_scale_values
+    from ds_fpquant.checkpoint.disk_format import check_scale_values
 
     try:
         qt.validate()
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
-    _check_scale_values(name, qt)
+    check_scale_values(name, qt)
     return qt
 
 
