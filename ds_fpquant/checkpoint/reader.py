@@ -15,7 +15,7 @@ from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
-from ds_fpquant.nn.experts import install_quantized_experts
+from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts
 from ds_fpquant.nn.model_walk import linear_modules
 from ds_fpquant.tensor.quantize import quantize
 from ds_fpquant.tensor.slicing import join_rows
@@ -207,7 +207,8 @@ def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, qconf
     if any(t.shape[:1] != shape[:1] for t in tensors.values()):
         raise ValueError(f"{target}: a stored expert stack has {shape[0]} experts in its first dimension; got "
                          f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
-    qts = [from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], qconfig, dtype)
+    matrix = expert_matrix_shape(module, pname)  # (out, in); the parameter is (E, in, out) for transposed experts
+    qts = [from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, matrix, qconfig, dtype)
            for e in range(shape[0])]
     _install(module, pname, target, qts, backend, compute_dtype)
 
@@ -292,8 +293,9 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
                 experts.setdefault(part.target, {})[part.expert] = quantize(
                     matrix, **config.settings_for(part.target), backend=config.backend)
         elif key in stacks:
-            experts[stacks[key]] = dict(enumerate(quantize(tensor[e], **config.settings_for(stacks[key]),
-                                                           backend=config.backend) for e in range(tensor.shape[0])))
+            owner = model.get_submodule(keys.params[stacks[key]][0])
+            experts[stacks[key]] = dict(enumerate(quantize(expert_matrix(owner, tensor, e), **config.settings_for(
+                stacks[key]), backend=config.backend) for e in range(tensor.shape[0])))
         elif (part := keys.part(key)) is not None:  # an excluded expert's matrix: stacked as transformers does
             kept_experts.setdefault(part.target, {})[(part.expert, part.part)] = {"weight": tensor}
         else:

@@ -40,6 +40,7 @@ from ds_fpquant.checkpoint.hf_files import (
     tensor_headers,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
+from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
 from ds_fpquant.nn.model_walk import linear_modules
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES
@@ -172,7 +173,8 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         matrices = [*((p.target, headers[k][1]) for k, p in expert_plan.items()),
                     *((t, (rows, headers[k][1][2])) for k, t in fused_plan.items() if unfused[k]
                       for _, rows in unfused[k].values()),
-                    *((t, headers[k][1][1:]) for k, t in fused_plan.items() if not unfused[k])]
+                    *((t, expert_matrix_shape(*_owner(meta, keys, t))) for k, t in fused_plan.items()
+                      if not unfused[k])]
         partial_targets = {target for target, shape in matrices if not whole_blocks(shape, block)}
         expert_plan = {k: p for k, p in expert_plan.items() if p.target not in partial_targets}
         fused_plan = {k: t for k, t in fused_plan.items() if t not in partial_targets}
@@ -223,7 +225,8 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                     pieces = torch.split(tensor[e], [rows for _, _, rows in names])
                     written += expert_matrices(fused_plan[key], [name for _, name, _ in names], pieces)
             elif key in fused_plan:  # a stored stack of a model without per-expert keys: each expert on its own
-                qts = [quantize_matrix(tensor[e], fused_plan[key]) for e in range(tensor.shape[0])]
+                owner = _owner(meta, keys, fused_plan[key])[0]  # (E, in, out) stacks of transposed experts: (out, in)
+                qts = [quantize_matrix(expert_matrix(owner, tensor, e), fused_plan[key]) for e in range(tensor.shape[0])]
                 _write_stack(writer, key, qts, method)
                 written = []
                 bytes_after += sum(qt.nbytes for qt in qts)
@@ -259,6 +262,12 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     return {"quantized": len(quantized), "copied": len(headers) - len(quantized), "bytes_before": bytes_before,
             "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "kept_partial": kept_partial,
             "quantization_config": qconfig}
+
+
+def _owner(meta, keys: CheckpointKeys, target: str):
+    """(module, parameter name) of expert parameter ``target`` in the meta model."""
+    module_name, pname = keys.params[target]
+    return meta.get_submodule(module_name), pname
 
 
 def _write_quantized(writer: "ShardWriter", base: str, qt, method: str) -> None:
