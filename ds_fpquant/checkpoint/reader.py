@@ -67,6 +67,10 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     hf_config = read_config(path)
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
+    from ds_fpquant.checkpoint import layout_gpt_oss  # gpt-oss's quant_method "mxfp4": its own module
+
+    if layout_gpt_oss.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):
+        return layout_gpt_oss.load(path, hf_config, model_class, backend, compute_dtype)
     qconfig = getattr(hf_config, "quantization_config", None)
     own = check_qconfig(qconfig, path)
     del hf_config.quantization_config  # build the plain model; its linears are replaced below
