@@ -44,14 +44,13 @@ from ds_fpquant.checkpoint.hf_files import (
     shard_files,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys
-from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts, is_transposed_experts
 from ds_fpquant.nn.quantized_params import quantized_experts
 from ds_fpquant.tensor.quantize import quantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["GPT_OSS_METHOD", "GPT_OSS_NOT_CONVERTED", "is_gpt_oss_qconfig", "is_gpt_oss_model", "check_qconfig",
-           "expert_from_parts", "expert_to_parts", "not_converted", "load", "writes_gpt_oss", "quantize_checkpoint",
+           "expert_from_parts", "expert_to_parts", "not_converted", "read", "writes_gpt_oss", "quantize_checkpoint",
            "save_quantized"]
 
 GPT_OSS_METHOD = "mxfp4"
@@ -154,20 +153,22 @@ def _split_key(key: str) -> Tuple[Optional[str], Optional[str]]:
     return None, None
 
 
-def load(path: Path, hf_config, model_class=None, backend: str = "auto", compute_dtype: Optional[str] = None):
-    """:func:`ds_fpquant.load_quantized` of a ``quant_method: "mxfp4"`` (gpt-oss) checkpoint: each
+def read(path: Path, hf_config, model_class=None, backend: str = "auto", compute_dtype: Optional[str] = None):
+    """The gpt-oss part of :func:`ds_fpquant.load_quantized` (a ``quant_method: "mxfp4"`` checkpoint): each
     ``<p>_blocks`` / ``<p>_scales`` pair becomes the quantized expert stack ``<p>`` (one ``"mxfp4"``
     :class:`QuantizedTensor` per expert, its ``(out, in)`` matrix, the codes and scales as stored), everything
-    else is assigned as stored. The experts' dequantized weights are bit-identical to transformers'
-    ``Mxfp4Config(dequantize=True)`` loading in the same dtype (the checkpoint's ``dtype``).
+    else is left for the caller to assign as stored. The experts' dequantized weights are bit-identical to
+    transformers' ``Mxfp4Config(dequantize=True)`` loading in the same dtype (the checkpoint's ``dtype``).
+
+    Returns:
+        ``(model, state, keys)``: the meta-device model with its expert stacks installed, the other tensors by
+        checkpoint key, and its :class:`CheckpointKeys` (for ``reader._assign_rest``).
 
     Raises:
         ValueError: an invalid ``quantization_config``; blocks without scales (or the reverse), for a
             parameter that is not a transposed expert stack or whose module ``modules_to_not_convert``
             lists, or of the wrong dtype or shape; the rest as :func:`ds_fpquant.load_quantized`.
     """
-    from ds_fpquant.checkpoint.reader import _assign_rest
-
     patterns = check_qconfig(hf_config.quantization_config, path)
     del hf_config.quantization_config  # build the plain model; its experts are replaced below
     dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or "bfloat16").replace("torch.", ""))
@@ -209,9 +210,7 @@ def load(path: Path, hf_config, model_class=None, backend: str = "auto", compute
             install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
         except ValueError as exc:
             raise ValueError(f"{target}: {exc}") from None
-    _assign_rest(model, state, keys)
-    enable_save_pretrained(model)
-    return model.eval()
+    return model, state, keys
 
 
 def writes_gpt_oss(hf_config, meta: torch.nn.Module, fmt: str, block, group_size, scale_format) -> bool:

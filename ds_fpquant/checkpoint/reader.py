@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ds_fpquant.checkpoint import layout_gpt_oss
 from ds_fpquant.checkpoint.disk_format import FP8_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
@@ -67,10 +68,11 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     hf_config = read_config(path)
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
-    from ds_fpquant.checkpoint import layout_gpt_oss  # gpt-oss's quant_method "mxfp4": its own module
-
-    if layout_gpt_oss.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):
-        return layout_gpt_oss.load(path, hf_config, model_class, backend, compute_dtype)
+    if layout_gpt_oss.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):  # its own module
+        model, state, keys = layout_gpt_oss.read(path, hf_config, model_class, backend, compute_dtype)
+        _assign_rest(model, state, keys)
+        enable_save_pretrained(model)
+        return model.eval()
     qconfig = getattr(hf_config, "quantization_config", None)
     own = check_qconfig(qconfig, path)
     del hf_config.quantization_config  # build the plain model; its linears are replaced below

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ds_fpquant.checkpoint import layout_gpt_oss
 from ds_fpquant.checkpoint.disk_format import (
     FP8_METHOD,
     OWN_METHOD,
@@ -159,8 +160,6 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     keys.check_fits(headers)  # every parameter of the model there, in its shape: else nothing is written
     check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
     selected = keys.plan(headers, linears, config.settings_for)
-    from ds_fpquant.checkpoint import layout_gpt_oss  # (it imports save_hook, which imports this module)
-
     if layout_gpt_oss.writes_gpt_oss(hf_config, meta, fmt, block, group_size, scale_format):  # its own layout
         return layout_gpt_oss.quantize_checkpoint(src, dst, selected.stacks, headers, keys, meta, backend,
                                                   max_shard_bytes, progress)
@@ -342,8 +341,6 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     layers, stacks = _quantized_parts(model)
     if not layers and not stacks:
         raise ValueError(f"{type(model).__name__} holds no ds_fpquant-quantized layers; save it with save_pretrained")
-    from ds_fpquant.checkpoint import layout_gpt_oss
-
     if layout_gpt_oss.can_save(model, layers, stacks):  # gpt-oss, experts only, mxfp4: gpt-oss's own layout
         return layout_gpt_oss.save_quantized(model, directory, max_shard_bytes=max_shard_bytes)
     qts = {**{name: qt for name, (qt, _) in layers.items()}, **{name: qts[0] for name, qts in stacks.items()}}
