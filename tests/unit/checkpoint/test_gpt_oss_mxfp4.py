@@ -210,3 +210,25 @@ def test_bad_gpt_oss_checkpoints_are_refused(src, tmp_path, qconfig, edit, messa
     _official(src, tmp_path / "bad", qconfig, edit)
     with pytest.raises(ValueError, match=message):
         fpq.load_quantized(tmp_path / "bad")
+
+
+def test_an_excluded_experts_module_stays_bf16_and_is_listed(src, tmp_path):
+    summary = checkpoint.quantize_checkpoint(src, tmp_path / "q", "mxfp4", exclude=[r"layers\.1\.mlp\.experts"],
+                                             progress=False)
+    assert summary["quantization_config"]["modules_to_not_convert"] == [
+        *GPT_OSS_QCONFIG["modules_to_not_convert"], "model.layers.1.mlp.experts"]
+    written, source = read_tensors(tmp_path / "q"), read_tensors(src)
+    for proj in PROJS:
+        assert torch.equal(written[f"model.layers.1.mlp.experts.{proj}"], source[f"model.layers.1.mlp.experts.{proj}"])
+        assert f"model.layers.0.mlp.experts.{proj}_blocks" in written
+    ours, theirs = fpq.load_quantized(tmp_path / "q"), _transformers(tmp_path / "q")
+    assert not quantized_experts(ours.model.layers[1].mlp.experts)
+    assert torch.equal(ours.model.layers[1].mlp.experts.down_proj, theirs.model.layers[1].mlp.experts.down_proj)
+    for proj in PROJS:  # layer 0: ours against transformers, bit for bit
+        mine = torch.stack([fpq.dequantize(qt, torch.bfloat16).t()
+                            for qt in quantized_experts(ours.model.layers[0].mlp.experts)[proj]])
+        assert torch.equal(_bits(mine), _bits(getattr(theirs.model.layers[0].mlp.experts, proj)))
+    with pytest.raises(ValueError, match=r"converts an experts module whole; .*\['model\.layers\.1\.mlp\.experts'\]"):
+        checkpoint.quantize_checkpoint(src, tmp_path / "half", "mxfp4", exclude=[r"layers\.1\.mlp\.experts\.down"],
+                                       progress=False)
+    assert not (tmp_path / "half").exists()
