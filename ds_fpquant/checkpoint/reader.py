@@ -12,11 +12,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint import layouts
+from ds_fpquant.checkpoint import layout_gpt_oss, layouts
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
-from ds_fpquant.nn.experts import install_quantized_experts
+from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts
 from ds_fpquant.nn.model_walk import linear_modules, shared_scale_groups
 from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import join_rows
@@ -69,6 +69,11 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     hf_config = read_config(path)
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
+    if layout_gpt_oss.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):  # its own module
+        model, state, keys = layout_gpt_oss.read(path, hf_config, model_class, backend, compute_dtype)
+        _assign_rest(model, state, keys)
+        enable_save_pretrained(model)
+        return model.eval()
     reading = layouts.reading_for(layouts.find_qconfig(hf_config, path), path)
     own = reading.own
     if hasattr(hf_config, "quantization_config"):
@@ -234,7 +239,8 @@ def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, readi
     if any(t.shape[:1] != shape[:1] for t in tensors.values()):
         raise ValueError(f"{target}: a stored expert stack has {shape[0]} experts in its first dimension; got "
                          f"{ {k: tuple(t.shape) for k, t in tensors.items()} }")
-    qts = [reading.from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, shape[1:], dtype)
+    matrix = expert_matrix_shape(module, pname)  # (out, in); the parameter is (E, in, out) for transposed experts
+    qts = [reading.from_parts(f"{target}[expert {e}]", {k: t[e] for k, t in tensors.items()}, matrix, dtype)
            for e in range(shape[0])]
     _install(module, pname, target, qts, backend, compute_dtype)
 
@@ -320,8 +326,9 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
                 experts.setdefault(part.target, {})[part.expert] = quantize(
                     matrix, **config.settings_for(part.target), backend=config.backend)
         elif key in stacks:
-            experts[stacks[key]] = dict(enumerate(quantize(tensor[e], **config.settings_for(stacks[key]),
-                                                           backend=config.backend) for e in range(tensor.shape[0])))
+            owner = model.get_submodule(keys.params[stacks[key]][0])
+            experts[stacks[key]] = dict(enumerate(quantize(expert_matrix(owner, tensor, e), **config.settings_for(
+                stacks[key]), backend=config.backend) for e in range(tensor.shape[0])))
         elif (part := keys.part(key)) is not None:  # an excluded expert's matrix: stacked as transformers does
             kept_experts.setdefault(part.target, {})[(part.expert, part.part)] = {"weight": tensor}
         else:

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ds_fpquant.checkpoint import layout_gpt_oss
 from ds_fpquant.checkpoint.disk_format import (
     FP8_METHOD,
     OWN_METHOD,
@@ -41,6 +42,7 @@ from ds_fpquant.checkpoint.hf_files import (
     tensor_headers,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
+from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
 from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, resolve_granularity
@@ -173,6 +175,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     keys.check_fits(headers)  # every parameter of the model there, in its shape: else nothing is written
     check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
     selected = keys.plan(headers, linears, config.settings_for)
+    if layout_gpt_oss.writes_gpt_oss(hf_config, meta, fmt, block, group_size, scale_format):  # its own layout
+        return layout_gpt_oss.quantize_checkpoint(src, dst, selected.stacks, headers, keys, meta, backend,
+                                                  max_shard_bytes, progress)
     plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks
     # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
     unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
@@ -187,7 +192,8 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         matrices = [*((p.target, headers[k][1]) for k, p in expert_plan.items()),
                     *((t, (rows, headers[k][1][2])) for k, t in fused_plan.items() if unfused[k]
                       for _, rows in unfused[k].values()),
-                    *((t, headers[k][1][1:]) for k, t in fused_plan.items() if not unfused[k])]
+                    *((t, expert_matrix_shape(*_owner(meta, keys, t))) for k, t in fused_plan.items()
+                      if not unfused[k])]
         partial_targets = {target for target, shape in matrices if not whole_blocks(shape, block)}
         expert_plan = {k: p for k, p in expert_plan.items() if p.target not in partial_targets}
         fused_plan = {k: t for k, t in fused_plan.items() if t not in partial_targets}
@@ -255,7 +261,8 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                     pieces = torch.split(tensor[e], [rows for _, _, rows in names])
                     written += expert_matrices(fused_plan[key], [name for _, name, _ in names], pieces)
             elif key in fused_plan:  # a stored stack of a model without per-expert keys: each expert on its own
-                qts = [quantize_matrix(tensor[e], fused_plan[key]) for e in range(tensor.shape[0])]
+                owner = _owner(meta, keys, fused_plan[key])[0]  # (E, in, out) stacks of transposed experts: (out, in)
+                qts = [quantize_matrix(expert_matrix(owner, tensor, e), fused_plan[key]) for e in range(tensor.shape[0])]
                 _write_stack(writer, key, qts, method)
                 written = []
                 bytes_after += sum(qt.nbytes for qt in qts)
@@ -292,6 +299,12 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     return {"quantized": len(quantized), "copied": len(headers) - len(quantized), "bytes_before": bytes_before,
             "bytes_after": bytes_after, "shards": shards, "skipped_files": skipped, "kept_partial": kept_partial,
             "quantization_config": qconfig}
+
+
+def _owner(meta, keys: CheckpointKeys, target: str):
+    """(module, parameter name) of expert parameter ``target`` in the meta model."""
+    module_name, pname = keys.params[target]
+    return meta.get_submodule(module_name), pname
 
 
 def _write_quantized(writer: "ShardWriter", base: str, qt, method: str) -> None:
@@ -361,6 +374,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     layers, stacks = _quantized_parts(model)
     if not layers and not stacks:
         raise ValueError(f"{type(model).__name__} holds no ds_fpquant-quantized layers; save it with save_pretrained")
+    if layout_gpt_oss.can_save(model, layers, stacks):  # gpt-oss, experts only, mxfp4: gpt-oss's own layout
+        return layout_gpt_oss.save_quantized(model, directory, max_shard_bytes=max_shard_bytes)
     qts = {**{name: qt for name, (qt, _) in layers.items()}, **{name: qts[0] for name, qts in stacks.items()}}
     settings = {name: (qt.fmt, qt.group_size, qt.block, qt.scale_format, qt.grouping) for name, qt in qts.items()}
     first = next(iter(settings.values()))

@@ -105,26 +105,34 @@ class QuantizedWeight(DequantizingTensor):
 
 class QuantizedExperts(DequantizingTensor):
     """``(E, out, in)`` expert weights held as per-expert codes + scales; ``experts[e]`` is expert ``e``'s
-    :class:`~ds_fpquant.linear.weights.QuantizedWeight`. A tensor subclass without storage."""
+    :class:`~ds_fpquant.linear.weights.QuantizedWeight`. A tensor subclass without storage.
+
+    ``transposed=True``: the parameter it stands in for is ``(E, in, out)`` (gpt-oss's ``GptOssExperts``,
+    whose forward is ``x @ w[e]``); each expert's :class:`QuantizedTensor` is still its ``(out, in)`` matrix
+    (groups along ``in``), and ``experts[e]`` is that weight transposed, so ``x @ experts[e]`` runs the
+    quantized linear."""
 
     @staticmethod
     def __new__(cls, experts: List[QuantizedTensor], dtype: torch.dtype, backend: str = "auto",
-                activation: Optional[str] = None):
+                activation: Optional[str] = None, transposed: bool = False):
         n, k = experts[0].shape
-        self = torch.Tensor._make_wrapper_subclass(cls, (len(experts), n, k), dtype=dtype,
-                                                   device=experts[0].codes.device, requires_grad=False)
+        self = torch.Tensor._make_wrapper_subclass(cls, (len(experts), k, n) if transposed else (len(experts), n, k),
+                                                   dtype=dtype, device=experts[0].codes.device, requires_grad=False)
         self.experts, self.weight_dtype, self.backend, self.activation = experts, dtype, backend, activation
+        self.transposed = transposed
         return self
 
-    def __init__(self, experts, dtype, backend="auto", activation=None):
+    def __init__(self, experts, dtype, backend="auto", activation=None, transposed=False):
         super().__init__()
 
     def __repr__(self, *, tensor_contents=None):
         n, k = self.experts[0].shape
-        return f"QuantizedExperts(shape={(len(self.experts), n, k)}, dtype={self.weight_dtype}, fmt={self.experts[0].fmt})"
+        shape = (len(self.experts), k, n) if self.transposed else (len(self.experts), n, k)
+        return f"QuantizedExperts(shape={shape}, dtype={self.weight_dtype}, fmt={self.experts[0].fmt})"
 
     def dequantized(self) -> torch.Tensor:
-        return torch.stack([dequantize(qt, self.weight_dtype, backend=self.backend) for qt in self.experts])
+        weights = [dequantize(qt, self.weight_dtype, backend=self.backend) for qt in self.experts]
+        return torch.stack([w.t() for w in weights] if self.transposed else weights)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -135,5 +143,6 @@ class QuantizedExperts(DequantizingTensor):
                 index = int(index)
             if isinstance(index, int):
                 self = args[0]
-                return QuantizedWeight(self.experts[index], self.weight_dtype, self.backend, activation=self.activation)
+                return QuantizedWeight(self.experts[index], self.weight_dtype, self.backend, self.transposed,
+                                       activation=self.activation)
         return cls._dense_call(func, args, kwargs)

@@ -73,16 +73,18 @@ def buffer_views(module: torch.nn.Module, name: str, meta: Dict, stacked: bool) 
 
 
 def install(module: torch.nn.Module, name: str, qts: Sequence[QuantizedTensor], *, stacked: bool,
-            compute_dtype: Optional[str], backend: str, activation: Optional[str]) -> None:
+            compute_dtype: Optional[str], backend: str, activation: Optional[str], transposed: bool = False) -> None:
     """Replace the parameter ``module.<name>`` (if any) by the buffers of ``qts`` (one weight, or ``stacked``: one per
     expert, all of one layout) and present them to the module's forward (the hooks of the module docstring). The
-    caller has checked that the ``qts`` agree; ``activation`` is checked here (W8A8 needs fitting weights)."""
+    caller has checked that the ``qts`` agree; ``activation`` is checked here (W8A8 needs fitting weights).
+    ``transposed`` (stacks only): the parameter is ``(E, in, out)`` and each of ``qts`` its expert's ``(out, in)``
+    matrix (:class:`~ds_fpquant.linear.weights.QuantizedExperts` ``transposed``)."""
     check_activation(activation, qts[0])
     module._parameters.pop(name, None)
     register_buffers(module, name, qts, stacked)
     setattr(module, name, None)
     params = module.__dict__.setdefault(_PARAMS, {})
-    params[name] = dict(layout(qts[0]), stacked=stacked, backend=backend, activation=activation,
+    params[name] = dict(layout(qts[0]), stacked=stacked, transposed=transposed, backend=backend, activation=activation,
                         compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
     if len(params) == 1:  # one pair of hooks per module, for all its quantized parameters
         module.register_forward_pre_hook(_materialize)
@@ -114,7 +116,8 @@ def _materialize(module, args):
     for name, meta in quantized_params(module).items():
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
         views = buffer_views(module, name, meta, meta["stacked"])
-        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"]) if meta["stacked"] else
+        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"], meta.get("transposed", False))
+                  if meta["stacked"] else
                   QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"]))
         setattr(module, name, weight)
 
