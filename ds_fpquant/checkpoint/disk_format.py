@@ -30,7 +30,7 @@ from ds_fpquant.numerics.scales import SCALE_FLOOR
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 from ds_fpquant.version import __version__
 
-__all__ = ["FP8_METHOD", "OWN_METHOD", "to_parts", "from_parts", "quantization_config", "check_qconfig", "whole_blocks"]
+__all__ = ["FP8_METHOD", "OWN_METHOD", "to_parts", "from_parts", "quantization_config", "check_qconfig", "whole_blocks", "checked", "check_scale_values"]
 
 FP8_METHOD, OWN_METHOD = "fp8", "ds_fpquant"
 
@@ -156,11 +156,18 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, qconfig: Dict[s
                              group_size=block[1] if block else qconfig["group_size"],
                              block=tuple(block) if block else None, scale_format=qconfig["scale_format"],
                              tensor_scale=parts.get("weight_scale_2"))
+    return checked(name, qt)
+
+
+def checked(name: str, qt, scale_values: bool = True):
+    """``qt`` validated (``qt.validate()``) and, with ``scale_values``, its scale values checked
+    (:func:`check_scale_values`); ``ValueError`` / ``TypeError`` naming ``name``. Every reader's last step."""
     try:
         qt.validate()
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
-    check_scale_values(name, qt)
+    if scale_values:
+        check_scale_values(name, qt)
     return qt
 
 

@@ -292,3 +292,16 @@ def copy_other_files(src: Path, dst: Path, qconfig: Dict[str, Any]) -> List[str]
     config["quantization_config"] = qconfig
     (dst / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return skipped
+
+
+def write_model_config(directory: Path, model, qconfig: Dict[str, Any]) -> None:
+    """Write ``model``'s ``config.json`` (with ``architectures`` the model's class, as ``save_pretrained`` writes it,
+    and ``quantization_config`` = ``qconfig``) and its ``generation_config.json`` (if it has one) into ``directory``."""
+    model.config.save_pretrained(directory)
+    data = json.loads((Path(directory) / CONFIG).read_text())
+    data["architectures"] = [type(model).__name__]  # the class to build
+    data["quantization_config"] = qconfig
+    (Path(directory) / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(directory)

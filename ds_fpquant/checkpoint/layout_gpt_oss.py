@@ -25,7 +25,6 @@ group where that quantizer stores 0; both decode to the same zeros (``docs/check
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ds_fpquant.checkpoint.disk_format import checked
 from ds_fpquant.checkpoint.hf_files import (
     CONFIG,
     ShardWriter,
@@ -42,6 +42,7 @@ from ds_fpquant.checkpoint.hf_files import (
     meta_model,
     new_output_dir,
     shard_files,
+    write_model_config,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts, is_transposed_experts
@@ -121,11 +122,7 @@ def expert_from_parts(name: str, blocks: torch.Tensor, scales: torch.Tensor, sha
                          f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
     qt = QuantizedTensor(codes=blocks.reshape(out_features, in_features // 2), scales=scales,
                          shape=torch.Size(shape), dtype=dtype, fmt="mxfp4", group_size=GROUP, scale_format="e8m0")
-    try:
-        qt.validate()
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from None
-    return qt
+    return checked(name, qt, scale_values=False)
 
 
 def _is_mxfp4(qt: QuantizedTensor) -> bool:
@@ -298,7 +295,6 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int) -
     stacks as ``<p>_blocks`` / ``<p>_scales`` (their codes and scales as held, nothing quantized again), every
     other state-dict tensor as it is (a tied one once, listed in ``tied``), ``config.json`` with gpt-oss's
     ``quantization_config``. Returns the summary :func:`ds_fpquant.save_quantized` documents."""
-    config = model.config
     directory = new_output_dir(directory, "directory")
     stacks = {}
     for name, module in model.named_modules():
@@ -329,14 +325,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int) -
             bytes_after += sum(qt.nbytes for qt in experts)
         shards = writer.close()
         qconfig = _qconfig(excluded)
-        config.save_pretrained(directory)
-        data = json.loads((directory / CONFIG).read_text())
-        data["architectures"] = [type(model).__name__]
-        data["quantization_config"] = qconfig
-        (directory / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
+        write_model_config(directory, model, qconfig)
     except BaseException:
         clear_output(directory, created)
         raise

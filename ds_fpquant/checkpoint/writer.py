@@ -9,7 +9,6 @@ Source tensors are read one at a time through ``safetensors.safe_open`` and outp
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import warnings
@@ -27,7 +26,6 @@ from ds_fpquant.checkpoint.disk_format import (
     whole_blocks,
 )
 from ds_fpquant.checkpoint.hf_files import (
-    CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
     clear_output,
@@ -40,6 +38,7 @@ from ds_fpquant.checkpoint.hf_files import (
     read_tensors,
     shard_files,
     tensor_headers,
+    write_model_config,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
@@ -468,14 +467,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
         qconfig = quantization_config(method, layout, not_converted, [n for n in layers if linears.get(n)],
                                        str(next(iter(qts.values())).dtype).replace("torch.", ""))
-        config.save_pretrained(directory)
-        data = json.loads((directory / CONFIG).read_text())
-        data["architectures"] = [type(model).__name__]  # as save_pretrained writes it: the class to build
-        data["quantization_config"] = qconfig
-        (directory / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
+        write_model_config(directory, model, qconfig)
     except BaseException:
         clear_output(directory, created)
         raise

@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ds_fpquant.checkpoint.disk_format import checked
 from ds_fpquant.checkpoint.layouts import registry as layouts
 from ds_fpquant.numerics.scales import SCALE_FLOOR
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
@@ -155,11 +156,7 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, config: Dict[st
             raise ValueError(f"{name}.weight_scale: NVFP4 group scale codes are non-negative e4m3; found a negative one")
         qt = QuantizedTensor(codes=weight, scales=codes, shape=torch.Size((n, k)), dtype=dtype, fmt="nvfp4",
                              group_size=NVFP4_GROUP, scale_format="e4m3", tensor_scale=parts["weight_scale_2"])
-    try:
-        qt.validate()
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from None
-    return qt, input_scale
+    return checked(name, qt, scale_values=False), input_scale  # scale values checked above
 
 
 def _reading(qconfig: Dict[str, Any], path: Path) -> "layouts.Reading":

@@ -15,7 +15,7 @@ from typing import Any, Dict
 
 import torch
 
-from ds_fpquant.checkpoint.disk_format import FP8_METHOD, OWN_METHOD, SCALE_SUFFIXES, check_qconfig, from_parts
+from ds_fpquant.checkpoint.disk_format import FP8_METHOD, OWN_METHOD, SCALE_SUFFIXES, check_qconfig, checked, from_parts
 from ds_fpquant.checkpoint.hf_files import CONFIG
 from ds_fpquant.checkpoint.layouts import registry as layouts
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
@@ -57,18 +57,6 @@ def _per_tensor_fp8(name: str, parts: Dict[str, torch.Tensor], shape, dtype) -> 
                          .reshape(1, 1), shape=torch.Size(shape), dtype=dtype, fmt=_FP8_CODES[weight.dtype],
                          group_size=k, block=(n, k))
     return checked(name, qt)
-
-
-def checked(name: str, qt: QuantizedTensor) -> QuantizedTensor:
-    """``qt`` validated, its scale values checked (``ValueError`` / ``TypeError`` naming ``name``)."""
-    from ds_fpquant.checkpoint.disk_format import check_scale_values
-
-    try:
-        qt.validate()
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from None
-    check_scale_values(name, qt)
-    return qt
 
 
 def _fp8_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
