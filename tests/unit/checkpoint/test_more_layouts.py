@@ -1,0 +1,156 @@
+"""Issue 29, more checkpoint readers: ModelOpt block FP8 (``fp8_pb_wo``), ``MXFP8`` and ``mxfp4`` exported by
+nvidia-modelopt 0.47 itself on CPU (``mtq.quantize`` with its presets, ``export_hf_checkpoint``), each weight
+compared bit for bit with ModelOpt's own ``FP8QTensor`` / ``MXFP8QTensor`` / ``MXFP4QTensor.dequantize``;
+compressed-tensors 0.20.1's ``mxfp6-pack-quantized`` and its MoE checkpoints, written by compressed-tensors itself
+and compared with its ``decompress_model``."""
+
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+from unit.safetensors_files import read_tensors
+from unit.tiny_models import tiny_llama
+
+import ds_fpquant as fpq
+from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning
+from ds_fpquant.checkpoint.layouts import modelopt as layout_modelopt
+from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+mtq = pytest.importorskip("modelopt.torch.quantization")
+export = pytest.importorskip("modelopt.torch.export")
+qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+
+#: quant_algo as ModelOpt 0.47 writes it -> its preset
+MODELOPT_ALGOS = {"fp8_pb_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "MXFP8": "MXFP8_DEFAULT_CFG",
+                  "mxfp4": "MXFP4_DEFAULT_CFG"}
+
+
+def llama_192():
+    """A 1-layer Llama with hidden 192 and intermediate 320: 128x128 FP8 blocks with partial edge blocks on both
+    sides (q_proj (192, 192): 2x2 blocks; down_proj (192, 320): 2x3; gate_proj (320, 192): 3x2)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=192, intermediate_size=320,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=100,
+                                      max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def export_with_modelopt(model, cfg, path):
+    model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
+    ids = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def calibrate(m):
+        with torch.no_grad():
+            m(ids)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ModelOpt's own deprecation notes
+        export.export_hf_checkpoint(mtq.quantize(model, getattr(mtq, cfg), calibrate), export_dir=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def modelopt_exports(tmp_path_factory):
+    """(quant_algo, model) -> directory ModelOpt's export wrote."""
+    out = {}
+    for algo, cfg in MODELOPT_ALGOS.items():
+        out[(algo, "llama64")] = export_with_modelopt(tiny_llama(), cfg, tmp_path_factory.mktemp(algo))
+    out[("fp8_pb_wo", "llama192")] = export_with_modelopt(llama_192(), MODELOPT_ALGOS["fp8_pb_wo"],
+                                                          tmp_path_factory.mktemp("fp8_pb_wo_192"))
+    return out
+
+
+def modelopt_dequantize(tensors, base, algo, shape):
+    """ModelOpt's own dequantization of one weight, fp32."""
+    weight, scale = tensors[f"{base}.weight"], tensors[f"{base}.weight_scale"]
+    if algo == "fp8_pb_wo":
+        nb, kb = -(-shape[0] // 128), -(-shape[1] // 128)
+        # ModelOpt's export squeezes its (Nb, 1, Kb, 1) block amax before quantizing; its dequantize takes (Nb, Kb)
+        return qtensor.FP8QTensor(torch.Size(shape), torch.float32, weight).dequantize(
+            torch.float32, scale=scale.reshape(nb, kb), block_sizes={-1: 128, -2: 128})
+    if algo == "MXFP8":
+        return qtensor.MXFP8QTensor(torch.Size(shape), torch.float32, weight).dequantize(torch.float32, scale=scale)
+    return qtensor.MXFP4QTensor(torch.Size(shape), torch.float32, weight).dequantize(
+        torch.float32, scale=scale, block_sizes={-1: 32})
+
+
+@pytest.mark.parametrize("algo,model", [("fp8_pb_wo", "llama64"), ("fp8_pb_wo", "llama192"), ("MXFP8", "llama64"),
+                                        ("mxfp4", "llama64")])
+def test_modelopt_block_fp8_and_mx_exports_load_bit_exact(modelopt_exports, algo, model):
+    path = modelopt_exports[(algo, model)]
+    hf = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    assert hf["quant_algo"] == algo  # the spelling ModelOpt writes
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_algo"] == algo
+    tensors = read_tensors(path)
+    assert not any(k.endswith(".input_scale") for k in tensors)  # weight-only / dynamic MX activations
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaticActivationScalesWarning)
+        loaded = fpq.load_quantized(path)
+    layers = {name: m for name, m in loaded.named_modules() if isinstance(m, FPQuantizedLinear)}
+    assert len(layers) == (14 if model == "llama64" else 7) and type(loaded.lm_head) is torch.nn.Linear
+    partial = 0
+    for name, layer in layers.items():
+        qt = layer.quantized_weight
+        ours = fpq.dequantize(qt, torch.float32)
+        theirs = modelopt_dequantize(tensors, name, algo, tuple(ours.shape))
+        # bit for bit, the sign of zero included (ModelOpt's MXFP4 table decodes 0x8 as -0 like SPEC 1)
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), name
+        if algo == "fp8_pb_wo":
+            n, k = ours.shape
+            assert qt.block == (128, 128) and qt.scales.shape == (-(-n // 128), -(-k // 128))
+            partial += bool(n % 128 or k % 128)
+            stored = tensors[f"{name}.weight_scale"]
+            assert stored.shape == (() if model == "llama64" else (-(-n // 128), 1, -(-k // 128), 1))
+        else:
+            assert qt.fmt == {"MXFP8": "mxfp8_e4m3", "mxfp4": "mxfp4"}[algo] and qt.group_size == 32
+            assert qt.scale_format == "e8m0" and torch.equal(qt.scales, tensors[f"{name}.weight_scale"])
+            assert torch.equal(qt.codes, tensors[f"{name}.weight"].view(torch.uint8))  # the bytes as stored
+    if model == "llama192":
+        assert partial == 7  # every matrix has a partial edge block (192 = 128 + 64, 320 = 2 * 128 + 64)
+    for name, tensor in loaded.state_dict().items():  # everything else as stored
+        if name in tensors and not any(name.startswith(f"{n}.") for n in layers):
+            assert torch.equal(tensor, tensors[name]), name
+
+
+def test_modelopt_mxfp4_packing_is_spec6():
+    """ModelOpt's MXFP4 bytes hold the first e2m1 code in the low nibble, as SPEC 6: its quantizer and ours give
+    the same bytes and E8M0 scales for values with no rounding ties (both round to nearest; ties are measure zero
+    for these random normals), and the MXFP8 quantizer the same e4m3 codes."""
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    theirs, scale = qtensor.MXFP4QTensor.quantize(w, block_size=32)
+    ours = fpq.quantize(w, fmt="mxfp4")
+    assert torch.equal(ours.codes, theirs._quantized_data) and torch.equal(ours.scales, scale.reshape(8, 2))
+    one = torch.zeros(1, 32)
+    one[0, 0], one[0, 1] = 1.0, -6.0  # e2m1 codes 0x2 and 0xF: byte 0xF2 if the first is in the low nibble
+    packed, _ = qtensor.MXFP4QTensor.quantize(one, block_size=32)
+    assert packed._quantized_data[0, 0].item() == 0xF2 == fpq.quantize(one, fmt="mxfp4").codes[0, 0].item()
+    theirs8, scale8 = qtensor.MXFP8QTensor.quantize(w)
+    ours8 = fpq.quantize(w, fmt="mxfp8_e4m3")
+    assert torch.equal(ours8.codes, theirs8._quantized_data.view(torch.uint8)) and torch.equal(ours8.scales, scale8)
+
+
+def test_modelopt_block_and_mx_errors(tmp_path):
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "MXFP8",
+                                                                                 "group_size": 16}}))
+    with pytest.raises(ValueError, match="group_size=16; MXFP8 has groups of 32"):
+        layout_modelopt.check_config(None, tmp_path)
+    block = layout_modelopt.check_config({"quant_method": "modelopt", "quant_algo": "fp8_pb_wo"}, tmp_path / "none")
+    weight = torch.zeros(192, 320, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"m.weight_scale: a ModelOpt fp8_pb_wo weight of shape \(192, 320\) has "
+                                         r"float32 scales of 128x128 blocks, shape \(2, 1, 3, 1\) or \(2, 3\) .*; "
+                                         r"got torch.float32 of shape \(\)"):
+        layout_modelopt.from_parts("m", {"weight": weight, "weight_scale": torch.ones(())}, (192, 320), block,
+                                   torch.float32)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        layout_modelopt.from_parts("m", {"weight": weight, "weight_scale": torch.zeros(2, 1, 3, 1)}, (192, 320),
+                                   block, torch.float32)
+    mx = layout_modelopt.check_config({"quant_method": "modelopt", "quant_algo": "mxfp4"}, tmp_path / "none")
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
+        layout_modelopt.from_parts("m", {"weight": torch.zeros(4, 24, dtype=torch.uint8),
+                                         "weight_scale": torch.zeros(4, 2, dtype=torch.uint8)}, (4, 48), mx,
+                                   torch.float32)
+    with pytest.raises(ValueError, match=r"weight_scale: a ModelOpt weight has torch.uint8 of shape \(4, 2\)"):
+        layout_modelopt.from_parts("m", {"weight": torch.zeros(4, 32, dtype=torch.uint8),
+                                         "weight_scale": torch.ones(4, 2)}, (4, 64), mx, torch.float32)
