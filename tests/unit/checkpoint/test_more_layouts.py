@@ -154,3 +154,19 @@ def test_modelopt_block_and_mx_errors(tmp_path):
     with pytest.raises(ValueError, match=r"weight_scale: a ModelOpt weight has torch.uint8 of shape \(4, 2\)"):
         layout_modelopt.from_parts("m", {"weight": torch.zeros(4, 32, dtype=torch.uint8),
                                          "weight_scale": torch.ones(4, 2)}, (4, 64), mx, torch.float32)
+
+
+def test_compressed_tensors_mxfp6_packing_is_spec6():
+    """compressed-tensors' ``pack_fp6_to_uint8`` (four e2m3 codes in three bytes) writes SPEC 6's bit stream: the
+    same bytes as ds_fpquant's ``mxfp6_e2m3`` codes for the same values (every e2m3 value, both zeros included;
+    each group holds 7.5, so its E8M0 scale is 2^0 and the values are their own codes)."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.mxfp6.helpers")
+    codes = torch.randint(0, 64, (6, 128), generator=torch.Generator().manual_seed(5))
+    codes[:, ::32] = 0x0F  # 7.5
+    codes[0, 1:65] = torch.arange(64)  # every code once
+    magnitude = torch.tensor([m / 8 for m in range(8)] + [(1 + m / 8) * 2 ** e for e in range(3) for m in range(8)])
+    values = torch.where(codes >= 32, -magnitude[codes % 32], magnitude[codes % 32])
+    ours = fpq.quantize(values, fmt="mxfp6_e2m3")
+    assert torch.equal(ours.scales, torch.full((6, 4), 127, dtype=torch.uint8))
+    assert torch.equal(fpq.dequantize(ours, torch.float32).view(torch.int32), values.view(torch.int32))
+    assert torch.equal(ours.codes, helpers.pack_fp6_to_uint8(values))
