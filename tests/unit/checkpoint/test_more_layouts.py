@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from unit.moe_models import tiny_moe, tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_llama
 
@@ -17,6 +18,7 @@ import ds_fpquant as fpq
 from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning
 from ds_fpquant.checkpoint.layouts import modelopt as layout_modelopt
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+from ds_fpquant.nn.quantized_params import quantized_experts
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
@@ -170,3 +172,157 @@ def test_compressed_tensors_mxfp6_packing_is_spec6():
     assert torch.equal(ours.scales, torch.full((6, 4), 127, dtype=torch.uint8))
     assert torch.equal(fpq.dequantize(ours, torch.float32).view(torch.int32), values.view(torch.int32))
     assert torch.equal(ours.codes, helpers.pack_fp6_to_uint8(values))
+
+
+# --- compressed-tensors MoE checkpoints ------------------------------------------------------------------------
+# compressed-tensors 0.20.1 quantizes Linear (and Embedding) modules only (COMPRESSIBLE_MODULE_TYPES), and
+# transformers 5 holds experts as fused 3-D parameters, so it cannot quantize the model as built. llm-compressor's
+# MoE releases store experts per expert (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), which is
+# also what transformers 5's save_pretrained writes: the test builds an ``nn.Linear`` for every 2-D weight of that
+# checkpoint under its key, lets compressed-tensors quantize and compress that module tree, and saves its tensors
+# with the rest of the checkpoint; ``decompress_model`` of the same tree is the oracle.
+
+def _linear_tree(tensors):
+    """An ``nn.Module`` tree with an ``nn.Linear`` (no bias) under every 2-D ``.weight`` key but the embeddings."""
+    root = torch.nn.Module()
+    for key, tensor in tensors.items():
+        if not key.endswith(".weight") or tensor.dim() != 2 or "embed_tokens" in key:
+            continue
+        *path, leaf = key[:-len(".weight")].split(".")
+        parent = root
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        linear = torch.nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=tensor.dtype)
+        linear.weight.data.copy_(tensor)
+        parent.add_module(leaf, linear)
+    return root
+
+
+#: the modules llm-compressor's MoE recipes leave unquantized: the head and the routers
+CT_MOE_IGNORE = ["lm_head", r"re:.*mlp\.gate$"]
+
+
+def _fused_groups(names):
+    """llm-compressor gives q/k/v and each gate/up pair one NVFP4 global scale: module -> its group."""
+    out = {}
+    for name in names:
+        parent, leaf = name.rsplit(".", 1)
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            if leaf in group:
+                out[name] = [f"{parent}.{p}" for p in group if f"{parent}.{p}" in names]
+    return out
+
+
+def write_ct_moe_checkpoint(model, preset: str, out):
+    """``model``'s per-expert checkpoint quantized and compressed by compressed-tensors; returns its own
+    decompression of every quantized weight by key (``{module: weight}``)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStrategy,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from safetensors.torch import save_file
+
+    model.save_pretrained(out)
+    tensors = read_tensors(out)
+    tree = _linear_tree(tensors)
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                                ignore=CT_MOE_IGNORE)
+    apply_quantization_config(tree, config)
+    modules = {name: m for name, m in tree.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    groups = _fused_groups(set(modules))
+    with torch.no_grad():
+        for name, module in modules.items():
+            args, w = module.quantization_scheme.weights, module.weight.data
+            global_scale = None
+            if hasattr(module, "weight_global_scale"):
+                joint = torch.cat([modules[m].weight.data.reshape(-1) for m in groups.get(name, [name])])
+                global_scale = generate_gparam(joint.amin(), joint.amax())
+                module.weight_global_scale.data.copy_(global_scale)
+            if args.strategy == QuantizationStrategy.BLOCK:
+                br, bc = args.block_structure
+                n, k = w.shape
+                blocks = torch.nn.functional.pad(w, (0, -k % bc, 0, -n % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+                lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
+            else:
+                groups_of = w.unflatten(-1, (-1, args.group_size))
+                lo, hi = groups_of.amin(-1), groups_of.amax(-1)
+            scale, _ = calculate_qparams(lo, hi, args, global_scale=global_scale)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(tree)
+    compressor.compress_model(tree)
+    state = {k: v for k, v in tensors.items() if not k.endswith(".weight") or v.dim() != 2 or "embed_tokens" in k}
+    state.update({k: v.contiguous() for k, v in tree.state_dict().items()})
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    compressor.update_config(out)
+    compressor.decompress_model(tree)
+    return {name: m.weight.data.clone() for name, m in tree.named_modules() if name in modules}
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+CT_MOE_MODELS = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": lambda: tiny_moe("deepseek_v3")}
+
+
+@pytest.mark.parametrize("kind,preset,fmt", [
+    ("qwen3_moe", "FP8_BLOCK", "float-quantized"), ("deepseek_v3", "FP8_BLOCK", "float-quantized"),
+    ("qwen3_moe", "NVFP4A16", "nvfp4-pack-quantized"), ("deepseek_v3", "NVFP4A16", "nvfp4-pack-quantized"),
+    ("qwen3_moe", "MXFP4", "mxfp4-pack-quantized")])  # (DeepSeek-V3's kv_b_proj has K = 16: no MX groups of 32)
+def test_compressed_tensors_moe_checkpoint_loads_bit_identical(tmp_path, kind, preset, fmt):
+    """Every expert of every MoE layer, every dense linear: the dequantized weight equals compressed-tensors'
+    ``decompress_model`` bit for bit; experts are installed as quantized expert stacks (gate over up). NVFP4:
+    with ``generate_gparam``'s global scales some experts read as ``nvfp4`` and some as ``e2m1`` with fp32 scales
+    (compressed-tensors' divisor, see its reader); the stack holds them all as the latter, the same values."""
+    pytest.importorskip("compressed_tensors")
+    model = CT_MOE_MODELS[kind]().to(torch.bfloat16)
+    oracle = write_ct_moe_checkpoint(model, preset, tmp_path / "ct")
+    qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == fmt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaticActivationScalesWarning)
+        loaded = fpq.load_quantized(tmp_path / "ct")
+    seen = set()
+    for name, module in loaded.named_modules():
+        if isinstance(module, FPQuantizedLinear):
+            ours = fpq.dequantize(module.quantized_weight, torch.bfloat16)
+            assert torch.equal(_bits(ours), _bits(oracle[name])), name
+            seen.add(name)
+        for pname, experts in quantized_experts(module).items():
+            parts = ("gate_proj", "up_proj") if pname == "gate_up_proj" else ("down_proj",)
+            for e, qt in enumerate(experts):
+                theirs = torch.cat([oracle[f"{name}.{e}.{p}"] for p in parts])
+                ours = fpq.dequantize(qt, torch.bfloat16)
+                assert torch.equal(_bits(ours), _bits(theirs)), (name, pname, e)
+                seen.update(f"{name}.{e}.{p}" for p in parts)
+    assert seen == set(oracle)  # every weight compressed-tensors quantized, and nothing else
+    assert sum(len(quantized_experts(m)) for m in loaded.modules()) == 2  # one MoE layer: gate_up_proj, down_proj
+    routers = [m for n, m in loaded.named_modules() if n.endswith("mlp.gate")]
+    assert routers and not any(isinstance(m, FPQuantizedLinear) for m in routers)
+
+
+def test_nvfp4_beside_e2m1_keeps_every_value():
+    """``nvfp4_beside_e2m1``: an ``nvfp4`` piece beside an ``e2m1`` one (groups of 16, fp32 scales) becomes
+    ``e2m1`` with the fp32 scales its groups dequantize with: the same values bit for bit; without an ``e2m1``
+    piece nothing changes."""
+    from ds_fpquant.tensor.slicing import nvfp4_beside_e2m1
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(7)) * 1e-3
+    nv = fpq.quantize(w, fmt="nvfp4")
+    plain = fpq.quantize(w, fmt="e2m1", group_size=16)
+    assert nvfp4_beside_e2m1([nv, nv]) == [nv, nv]
+    converted, same = nvfp4_beside_e2m1([nv, plain])
+    assert same is plain and converted.fmt == "e2m1" and converted.tensor_scale is None
+    assert converted.scales.dtype == torch.float32 and converted.group_size == 16
+    assert torch.equal(converted.codes, nv.codes)
+    assert torch.equal(fpq.dequantize(converted, torch.float32).view(torch.int32),
+                       fpq.dequantize(nv, torch.float32).view(torch.int32))
