@@ -217,7 +217,8 @@ def _fused_groups(names):
 
 def write_ct_moe_checkpoint(model, preset: str, out):
     """``model``'s per-expert checkpoint quantized and compressed by compressed-tensors; returns its own
-    decompression of every quantized weight by key (``{module: weight}``)."""
+    decompression of every quantized weight by key (``{module: weight}``) and the static activation scales it
+    stored (``{module: {part: value}}``, set as a calibration would)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -236,6 +237,7 @@ def write_ct_moe_checkpoint(model, preset: str, out):
     apply_quantization_config(tree, config)
     modules = {name: m for name, m in tree.named_modules() if getattr(m, "quantization_scheme", None) is not None}
     groups = _fused_groups(set(modules))
+    inputs = {}
     with torch.no_grad():
         for name, module in modules.items():
             args, w = module.quantization_scheme.weights, module.weight.data
@@ -254,6 +256,10 @@ def write_ct_moe_checkpoint(model, preset: str, out):
                 lo, hi = groups_of.amin(-1), groups_of.amax(-1)
             scale, _ = calculate_qparams(lo, hi, args, global_scale=global_scale)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            for part in ("input_scale", "input_global_scale"):
+                if hasattr(module, part):
+                    getattr(module, part).data.fill_(0.0123 * (1 + len(inputs)))
+                    inputs.setdefault(name, {})[part] = getattr(module, part).data.clone()
     compressor = ModelCompressor.from_pretrained_model(tree)
     compressor.compress_model(tree)
     state = {k: v for k, v in tensors.items() if not k.endswith(".weight") or v.dim() != 2 or "embed_tokens" in k}
@@ -264,7 +270,7 @@ def write_ct_moe_checkpoint(model, preset: str, out):
     save_file(state, str(out / "model.safetensors"))
     compressor.update_config(out)
     compressor.decompress_model(tree)
-    return {name: m.weight.data.clone() for name, m in tree.named_modules() if name in modules}
+    return {name: m.weight.data.clone() for name, m in tree.named_modules() if name in modules}, inputs
 
 
 def _bits(t):
@@ -277,7 +283,7 @@ CT_MOE_MODELS = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": lambda: tiny_moe("d
 @pytest.mark.parametrize("kind,preset,fmt", [
     ("qwen3_moe", "FP8_BLOCK", "float-quantized"), ("deepseek_v3", "FP8_BLOCK", "float-quantized"),
     ("qwen3_moe", "NVFP4A16", "nvfp4-pack-quantized"), ("deepseek_v3", "NVFP4A16", "nvfp4-pack-quantized"),
-    ("qwen3_moe", "MXFP4", "mxfp4-pack-quantized")])  # (DeepSeek-V3's kv_b_proj has K = 16: no MX groups of 32)
+    ("qwen3_moe", "MXFP4", "mxfp4-pack-quantized"), ("qwen3_moe", "NVFP4", "nvfp4-pack-quantized")])  # (DeepSeek-V3's kv_b_proj has K = 16: no MX groups of 32)
 def test_compressed_tensors_moe_checkpoint_loads_bit_identical(tmp_path, kind, preset, fmt):
     """Every expert of every MoE layer, every dense linear: the dequantized weight equals compressed-tensors'
     ``decompress_model`` bit for bit; experts are installed as quantized expert stacks (gate over up). NVFP4:
@@ -285,12 +291,27 @@ def test_compressed_tensors_moe_checkpoint_loads_bit_identical(tmp_path, kind, p
     (compressed-tensors' divisor, see its reader); the stack holds them all as the latter, the same values."""
     pytest.importorskip("compressed_tensors")
     model = CT_MOE_MODELS[kind]().to(torch.bfloat16)
-    oracle = write_ct_moe_checkpoint(model, preset, tmp_path / "ct")
+    oracle, inputs = write_ct_moe_checkpoint(model, preset, tmp_path / "ct")
     qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == fmt
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", StaticActivationScalesWarning)
-        loaded = fpq.load_quantized(tmp_path / "ct")
+    assert bool(inputs) == (preset == "NVFP4")  # W4A4: static input_global_scale
+    if inputs:
+        with pytest.warns(StaticActivationScalesWarning, match="weight-only"):
+            loaded = fpq.load_quantized(tmp_path / "ct")
+        recorded = loaded.ds_fpquant_activation_scales
+        for name, parts in inputs.items():  # as stored, not applied; experts under <parameter>[expert e, part p]
+            parent, leaf = name.rsplit(".", 1)
+            if ".experts." in name:
+                base, e = parent.rsplit(".", 1)
+                pname = "down_proj" if leaf == "down_proj" else "gate_up_proj"
+                name = f"{base}.{pname}[expert {e}, part {int(leaf == 'up_proj')}]"
+            assert set(recorded[name]) == set(parts), name
+            assert all(torch.equal(recorded[name][p], v) for p, v in parts.items()), name
+        assert len(recorded) == len(inputs)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", StaticActivationScalesWarning)
+            loaded = fpq.load_quantized(tmp_path / "ct")
     seen = set()
     for name, module in loaded.named_modules():
         if isinstance(module, FPQuantizedLinear):
