@@ -41,7 +41,7 @@ def llama_192():
 
 def export_with_modelopt(model, cfg, path):
     model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
-    ids = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
 
     def calibrate(m):
         with torch.no_grad():
@@ -347,3 +347,32 @@ def test_nvfp4_beside_e2m1_keeps_every_value():
     assert torch.equal(converted.codes, nv.codes)
     assert torch.equal(fpq.dequantize(converted, torch.float32).view(torch.int32),
                        fpq.dequantize(nv, torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("algo", list(MODELOPT_ALGOS))
+def test_modelopt_block_fp8_and_mx_qwen3_moe_experts_load_bit_exact(tmp_path, algo):
+    """ModelOpt's export of a Qwen3-MoE in fp8_pb_wo / MXFP8 / mxfp4 writes per-expert gate/up/down and excludes
+    the router; ds_fpquant installs them as quantized expert stacks, each expert's matrix ModelOpt's
+    dequantization of its parts stacked (gate over up), bit for bit."""
+    path = export_with_modelopt(tiny_qwen3_moe(), MODELOPT_ALGOS[algo], tmp_path / "moe")
+    assert json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
+    tensors = read_tensors(path)
+    loaded = fpq.load_quantized(path)
+    experts = quantized_experts(loaded.model.layers[1].mlp.experts)
+    assert set(experts) == {"gate_up_proj", "down_proj"}
+    base = "model.layers.1.mlp.experts"
+    for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
+        assert len(experts[pname]) == 4
+        for e, qt in enumerate(experts[pname]):
+            ours = fpq.dequantize(qt, torch.float32)
+            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", algo,
+                                                    (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
+                                for p in parts])
+            assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (pname, e)
+    assert not isinstance(loaded.model.layers[1].mlp.gate, FPQuantizedLinear)  # the router, excluded
+    dense = {n: m for n, m in loaded.named_modules() if isinstance(m, FPQuantizedLinear)}
+    assert len(dense) == 4 * 2 + 3  # attention of both layers, layer 0's dense MLP
+    for name, layer in dense.items():
+        ours = fpq.dequantize(layer.quantized_weight, torch.float32)
+        theirs = modelopt_dequantize(tensors, name, algo, tuple(ours.shape))
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), name
