@@ -4,7 +4,7 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
 ``modelopt/torch/quantization/qtensor/``, and checked on files it wrote):
 
 - ``hf_quant_config.json``: ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "FP8" |
-  "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | "fp8_pb_wo" | "MXFP8" | "mxfp4" | ..., "group_size": 16
+  "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | "fp8_pb_wo" | "fp8_pb_real" | "MXFP8" | "mxfp4" | ..., "group_size": 16
   (NVFP4), 32 (MXFP8; none written for mxfp4), "exclude_modules": [fnmatch patterns],
   "kv_cache_quant_algo": ...}}``; ``config.json``'s ``quantization_config`` then has ``quant_method: "modelopt"``
   and the same ``quant_algo`` (plus compressed-tensors-style ``config_groups`` and ``ignore``).
@@ -19,7 +19,9 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
   ``<m>.weight_scale`` fp32 multipliers of 128x128 blocks, shape ``(ceil(N/128), 1, ceil(K/128), 1)`` (ModelOpt's
   block amax shape; 0-dim when the matrix is one block; ``(ceil(N/128), ceil(K/128))`` read too), partial edge
   blocks allowed: ``w = fp32(q) * s``, read as ds_fpquant's ``block=(128, 128)``. The block size is not recorded
-  in the files; 128 is the preset's (a scale shape that does not fit it is refused).
+  in the files; 128 is the preset's (a scale shape that does not fit it is refused). ``fp8_pb_real`` (the same
+  preset after ``mtq.compress``, real-quantized weights): the same tensors, ``weight_scale`` ``(ceil(N/128),
+  ceil(K/128))``.
 - ``MXFP8`` (``MXFP8_DEFAULT_CFG``): ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` ``uint8``
   E8M0 bytes ``(N, K/32)``, ``w = fp32(q) * 2^(byte - 127)``: ds_fpquant's ``mxfp8_e4m3`` as stored.
 - ``mxfp4`` (``MXFP4_DEFAULT_CFG``): ``<m>.weight`` ``uint8`` ``(N, K/2)``, two e2m1 codes a byte, the first in
@@ -57,11 +59,12 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 #: quant_algo -> (weight format, whether activations carry a static input_scale)
 #: (FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, activations dynamic per token, no input_scale; loaded
 #: weight-only like the rest)
-#: (fp8_pb_wo: 128x128 FP8 blocks, weight-only; MXFP8, mxfp4: E8M0 groups of 32, activations dynamic MX, no
-#: input_scale. The spellings are ModelOpt 0.47's: its export writes "fp8_pb_wo" and "mxfp4" in lower case.)
+#: (fp8_pb_wo: 128x128 FP8 blocks, weight-only; fp8_pb_real: the same after mtq.compress, (Nb, Kb) scales; MXFP8, mxfp4: E8M0 groups of 32, activations dynamic MX, no
+#: input_scale. The spellings are ModelOpt 0.47's: its export writes "fp8_pb_wo", "fp8_pb_real" and "mxfp4" in
+#: lower case.)
 ALGOS = {"FP8": ("e4m3", True), "FP8_PER_CHANNEL_PER_TOKEN": ("e4m3", False), "NVFP4": ("nvfp4", True),
-         "W4A16_NVFP4": ("nvfp4", False), "fp8_pb_wo": ("e4m3_block", False), "MXFP8": ("mxfp8_e4m3", False),
-         "mxfp4": ("mxfp4", False)}
+         "W4A16_NVFP4": ("nvfp4", False), "fp8_pb_wo": ("e4m3_block", False), "fp8_pb_real": ("e4m3_block", False),
+         "MXFP8": ("mxfp8_e4m3", False), "mxfp4": ("mxfp4", False)}
 
 NVFP4_GROUP = 16
 #: MX group size (OCP MX v1.0; ModelOpt's MXFP8QTensor.BLOCK_SIZE and its mxfp4 preset)
@@ -87,7 +90,7 @@ def check_config(qconfig: Optional[Dict[str, Any]], path: Path) -> Dict[str, Any
 
     Raises:
         ValueError: neither describes a ModelOpt checkpoint, an unsupported ``quant_algo`` (allowed: FP8,
-            FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4, fp8_pb_wo, MXFP8, mxfp4), an NVFP4 ``group_size`` other
+            FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4, fp8_pb_wo, fp8_pb_real, MXFP8, mxfp4), an NVFP4 ``group_size`` other
             than 16 or an MX one other than 32, ``exclude_modules`` that is not a list of str.
     """
     source, where = qconfig, f"{str(path / 'config.json')!r}: quantization_config"
@@ -172,7 +175,7 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, config: Dict[st
         # ModelOpt's block amax shape (Nb, 1, Kb, 1); a single block is written 0-dim
         shapes = [(nb, 1, kb, 1), (nb, kb)] + ([()] if nb * kb == 1 else [])
         if scale.dtype != torch.float32 or tuple(scale.shape) not in shapes:
-            raise ValueError(f"{name}.weight_scale: a ModelOpt fp8_pb_wo weight of shape ({n}, {k}) has float32 "
+            raise ValueError(f"{name}.weight_scale: a ModelOpt {config['quant_algo']} weight of shape ({n}, {k}) has float32 "
                              f"scales of {FP8_BLOCK}x{FP8_BLOCK} blocks, shape {' or '.join(map(str, shapes))} "
                              f"(hf_quant_config.json records no block size; ds_fpquant reads ModelOpt's "
                              f"{FP8_BLOCK}x{FP8_BLOCK}); got {scale.dtype} of shape {tuple(scale.shape)}")

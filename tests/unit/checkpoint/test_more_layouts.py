@@ -39,7 +39,7 @@ def llama_192():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def export_with_modelopt(model, cfg, path):
+def export_with_modelopt(model, cfg, path, compress=False):
     model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
     ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
 
@@ -49,7 +49,10 @@ def export_with_modelopt(model, cfg, path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ModelOpt's own deprecation notes
-        export.export_hf_checkpoint(mtq.quantize(model, getattr(mtq, cfg), calibrate), export_dir=path)
+        model = mtq.quantize(model, getattr(mtq, cfg), calibrate)
+        if compress:  # real-quantized weights (fp8_pb_real)
+            mtq.compress(model)
+        export.export_hf_checkpoint(model, export_dir=path)
     return path
 
 
@@ -61,13 +64,16 @@ def modelopt_exports(tmp_path_factory):
         out[(algo, "llama64")] = export_with_modelopt(tiny_llama(), cfg, tmp_path_factory.mktemp(algo))
     out[("fp8_pb_wo", "llama192")] = export_with_modelopt(llama_192(), MODELOPT_ALGOS["fp8_pb_wo"],
                                                           tmp_path_factory.mktemp("fp8_pb_wo_192"))
+    for model, make in (("llama64", tiny_llama), ("llama192", llama_192)):
+        out[("fp8_pb_real", model)] = export_with_modelopt(make(), MODELOPT_ALGOS["fp8_pb_wo"],
+                                                           tmp_path_factory.mktemp("fp8_pb_real"), compress=True)
     return out
 
 
 def modelopt_dequantize(tensors, base, algo, shape):
     """ModelOpt's own dequantization of one weight, fp32."""
     weight, scale = tensors[f"{base}.weight"], tensors[f"{base}.weight_scale"]
-    if algo == "fp8_pb_wo":
+    if algo.startswith("fp8_pb"):
         nb, kb = -(-shape[0] // 128), -(-shape[1] // 128)
         # ModelOpt's export squeezes its (Nb, 1, Kb, 1) block amax before quantizing; its dequantize takes (Nb, Kb)
         return qtensor.FP8QTensor(torch.Size(shape), torch.float32, weight).dequantize(
@@ -78,8 +84,8 @@ def modelopt_dequantize(tensors, base, algo, shape):
         torch.float32, scale=scale, block_sizes={-1: 32})
 
 
-@pytest.mark.parametrize("algo,model", [("fp8_pb_wo", "llama64"), ("fp8_pb_wo", "llama192"), ("MXFP8", "llama64"),
-                                        ("mxfp4", "llama64")])
+@pytest.mark.parametrize("algo,model", [("fp8_pb_wo", "llama64"), ("fp8_pb_wo", "llama192"), ("fp8_pb_real", "llama64"),
+                                        ("fp8_pb_real", "llama192"), ("MXFP8", "llama64"), ("mxfp4", "llama64")])
 def test_modelopt_block_fp8_and_mx_exports_load_bit_exact(modelopt_exports, algo, model):
     path = modelopt_exports[(algo, model)]
     hf = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
@@ -99,12 +105,15 @@ def test_modelopt_block_fp8_and_mx_exports_load_bit_exact(modelopt_exports, algo
         theirs = modelopt_dequantize(tensors, name, algo, tuple(ours.shape))
         # bit for bit, the sign of zero included (ModelOpt's MXFP4 table decodes 0x8 as -0 like SPEC 1)
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), name
-        if algo == "fp8_pb_wo":
+        if algo.startswith("fp8_pb"):
             n, k = ours.shape
             assert qt.block == (128, 128) and qt.scales.shape == (-(-n // 128), -(-k // 128))
             partial += bool(n % 128 or k % 128)
             stored = tensors[f"{name}.weight_scale"]
-            assert stored.shape == (() if model == "llama64" else (-(-n // 128), 1, -(-k // 128), 1))
+            if algo == "fp8_pb_wo":  # ModelOpt's block amax shape, 0-dim for one block
+                assert stored.shape == (() if model == "llama64" else (-(-n // 128), 1, -(-k // 128), 1))
+            else:  # the real quantizer's _scale
+                assert stored.shape == (-(-n // 128), -(-k // 128))
         else:
             assert qt.fmt == {"MXFP8": "mxfp8_e4m3", "mxfp4": "mxfp4"}[algo] and qt.group_size == 32
             assert qt.scale_format == "e8m0" and torch.equal(qt.scales, tensors[f"{name}.weight_scale"])
