@@ -4,7 +4,8 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
 ``modelopt/torch/quantization/qtensor/``, and checked on files it wrote):
 
 - ``hf_quant_config.json``: ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "FP8" |
-  "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | "fp8_pb_wo" | "fp8_pb_real" | "MXFP8" | "mxfp4" | ..., "group_size": 16
+  "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | "fp8_pb_wo" | "fp8_pb_real" | "MXFP8" | "mxfp4" |
+  "W4A8_MXFP4_FP8" | ..., "group_size": 16
   (NVFP4), 32 (MXFP8; none written for mxfp4), "exclude_modules": [fnmatch patterns],
   "kv_cache_quant_algo": ...}}``; ``config.json``'s ``quantization_config`` then has ``quant_method: "modelopt"``
   and the same ``quant_algo`` (plus compressed-tensors-style ``config_groups`` and ``ignore``).
@@ -26,7 +27,8 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
   E8M0 bytes ``(N, K/32)``, ``w = fp32(q) * 2^(byte - 127)``: ds_fpquant's ``mxfp8_e4m3`` as stored.
 - ``mxfp4`` (``MXFP4_DEFAULT_CFG``): ``<m>.weight`` ``uint8`` ``(N, K/2)``, two e2m1 codes a byte, the first in
   the low nibble (SPEC 6), ``<m>.weight_scale`` ``uint8`` E8M0 ``(N, K/32)``: ds_fpquant's ``mxfp4`` as stored.
-  Both MX algos quantize activations dynamically (no ``input_scale``); ``K`` must be a multiple of 32.
+  ``W4A8_MXFP4_FP8``: the same weight tensors (FP8 activations, no ``input_scale`` written by 0.47's export).
+  The MX algos quantize activations dynamically (no ``input_scale``); ``K`` must be a multiple of 32.
 
 ds_fpquant has no static per-tensor activation path: the weights load weight-only, the ``input_scale`` values are
 kept in ``model.ds_fpquant_activation_scales`` and
@@ -60,11 +62,12 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 #: (FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, activations dynamic per token, no input_scale; loaded
 #: weight-only like the rest)
 #: (fp8_pb_wo: 128x128 FP8 blocks, weight-only; fp8_pb_real: the same after mtq.compress, (Nb, Kb) scales; MXFP8, mxfp4: E8M0 groups of 32, activations dynamic MX, no
-#: input_scale. The spellings are ModelOpt 0.47's: its export writes "fp8_pb_wo", "fp8_pb_real" and "mxfp4" in
+#: input_scale; W4A8_MXFP4_FP8: mxfp4 weights, FP8 activations that ModelOpt 0.47 leaves dynamic, no input_scale
+#: written. The spellings are ModelOpt 0.47's: its export writes "fp8_pb_wo", "fp8_pb_real" and "mxfp4" in
 #: lower case.)
 ALGOS = {"FP8": ("e4m3", True), "FP8_PER_CHANNEL_PER_TOKEN": ("e4m3", False), "NVFP4": ("nvfp4", True),
          "W4A16_NVFP4": ("nvfp4", False), "fp8_pb_wo": ("e4m3_block", False), "fp8_pb_real": ("e4m3_block", False),
-         "MXFP8": ("mxfp8_e4m3", False), "mxfp4": ("mxfp4", False)}
+         "MXFP8": ("mxfp8_e4m3", False), "mxfp4": ("mxfp4", False), "W4A8_MXFP4_FP8": ("mxfp4", False)}
 
 NVFP4_GROUP = 16
 #: MX group size (OCP MX v1.0; ModelOpt's MXFP8QTensor.BLOCK_SIZE and its mxfp4 preset)
@@ -90,7 +93,8 @@ def check_config(qconfig: Optional[Dict[str, Any]], path: Path) -> Dict[str, Any
 
     Raises:
         ValueError: neither describes a ModelOpt checkpoint, an unsupported ``quant_algo`` (allowed: FP8,
-            FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4, fp8_pb_wo, fp8_pb_real, MXFP8, mxfp4), an NVFP4 ``group_size`` other
+            FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4, fp8_pb_wo, fp8_pb_real, MXFP8, mxfp4,
+            W4A8_MXFP4_FP8), an NVFP4 ``group_size`` other
             than 16 or an MX one other than 32, ``exclude_modules`` that is not a list of str.
     """
     source, where = qconfig, f"{str(path / 'config.json')!r}: quantization_config"

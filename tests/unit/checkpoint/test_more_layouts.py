@@ -26,7 +26,7 @@ qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
 #: quant_algo as ModelOpt 0.47 writes it -> its preset
 MODELOPT_ALGOS = {"fp8_pb_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "MXFP8": "MXFP8_DEFAULT_CFG",
-                  "mxfp4": "MXFP4_DEFAULT_CFG"}
+                  "mxfp4": "MXFP4_DEFAULT_CFG", "W4A8_MXFP4_FP8": "W4A8_MXFP4_FP8_CFG"}
 
 
 def llama_192():
@@ -85,7 +85,8 @@ def modelopt_dequantize(tensors, base, algo, shape):
 
 
 @pytest.mark.parametrize("algo,model", [("fp8_pb_wo", "llama64"), ("fp8_pb_wo", "llama192"), ("fp8_pb_real", "llama64"),
-                                        ("fp8_pb_real", "llama192"), ("MXFP8", "llama64"), ("mxfp4", "llama64")])
+                                        ("fp8_pb_real", "llama192"), ("MXFP8", "llama64"), ("mxfp4", "llama64"),
+                                        ("W4A8_MXFP4_FP8", "llama64")])
 def test_modelopt_block_fp8_and_mx_exports_load_bit_exact(modelopt_exports, algo, model):
     path = modelopt_exports[(algo, model)]
     hf = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
@@ -115,7 +116,7 @@ def test_modelopt_block_fp8_and_mx_exports_load_bit_exact(modelopt_exports, algo
             else:  # the real quantizer's _scale
                 assert stored.shape == (-(-n // 128), -(-k // 128))
         else:
-            assert qt.fmt == {"MXFP8": "mxfp8_e4m3", "mxfp4": "mxfp4"}[algo] and qt.group_size == 32
+            assert qt.fmt == {"MXFP8": "mxfp8_e4m3", "mxfp4": "mxfp4", "W4A8_MXFP4_FP8": "mxfp4"}[algo] and qt.group_size == 32
             assert qt.scale_format == "e8m0" and torch.equal(qt.scales, tensors[f"{name}.weight_scale"])
             assert torch.equal(qt.codes, tensors[f"{name}.weight"].view(torch.uint8))  # the bytes as stored
     if model == "llama192":
