@@ -5,8 +5,8 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
 
 - ``hf_quant_config.json``: ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "FP8" |
   "FP8_PER_CHANNEL_PER_TOKEN" | "NVFP4" | "W4A16_NVFP4" | "fp8_pb_wo" | "fp8_pb_real" | "MXFP8" | "mxfp4" |
-  "W4A8_MXFP4_FP8" | ..., "group_size": 16
-  (NVFP4), 32 (MXFP8; none written for mxfp4), "exclude_modules": [fnmatch patterns],
+  "W4A8_MXFP4_FP8" | ..., "group_size": 16 (NVFP4), 32 (MXFP8, W4A8_MXFP4_FP8; none written for mxfp4),
+  "exclude_modules": [fnmatch patterns],
   "kv_cache_quant_algo": ...}}``; ``config.json``'s ``quantization_config`` then has ``quant_method: "modelopt"``
   and the same ``quant_algo`` (plus compressed-tensors-style ``config_groups`` and ``ignore``).
 - FP8: ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` fp32, a multiplier (``w = q * s``):
@@ -61,10 +61,10 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 #: quant_algo -> (weight format, whether activations carry a static input_scale)
 #: (FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, activations dynamic per token, no input_scale; loaded
 #: weight-only like the rest)
-#: (fp8_pb_wo: 128x128 FP8 blocks, weight-only; fp8_pb_real: the same after mtq.compress, (Nb, Kb) scales; MXFP8, mxfp4: E8M0 groups of 32, activations dynamic MX, no
-#: input_scale; W4A8_MXFP4_FP8: mxfp4 weights, FP8 activations that ModelOpt 0.47 leaves dynamic, no input_scale
-#: written. The spellings are ModelOpt 0.47's: its export writes "fp8_pb_wo", "fp8_pb_real" and "mxfp4" in
-#: lower case.)
+#: (fp8_pb_wo: 128x128 FP8 blocks, weight-only; fp8_pb_real: the same after mtq.compress, (Nb, Kb) scales;
+#: MXFP8, mxfp4: E8M0 groups of 32, activations dynamic MX, no input_scale; W4A8_MXFP4_FP8: mxfp4 weights, FP8
+#: activations that ModelOpt 0.47 leaves dynamic, no input_scale written. The spellings are ModelOpt 0.47's: its
+#: export writes "fp8_pb_wo", "fp8_pb_real" and "mxfp4" in lower case.)
 ALGOS = {"FP8": ("e4m3", True), "FP8_PER_CHANNEL_PER_TOKEN": ("e4m3", False), "NVFP4": ("nvfp4", True),
          "W4A16_NVFP4": ("nvfp4", False), "fp8_pb_wo": ("e4m3_block", False), "fp8_pb_real": ("e4m3_block", False),
          "MXFP8": ("mxfp8_e4m3", False), "mxfp4": ("mxfp4", False), "W4A8_MXFP4_FP8": ("mxfp4", False)}
@@ -142,8 +142,8 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, config: Dict[st
     """The :class:`QuantizedTensor` of module ``name``'s ``(N, K)`` weight (``shape``) from its ModelOpt tensors
     ``parts`` (``weight``, ``weight_scale``, ``weight_scale_2`` for NVFP4, ``input_scale`` when the checkpoint has
     static activation scales), and the ``input_scale`` (fp32 0-dim) or ``None``. Nothing is requantized: FP8 per
-    tensor is one ``(N, K)`` block, per channel blocks ``(1, K)``, ``fp8_pb_wo`` blocks ``(128, 128)``; NVFP4,
-    MXFP8 and mxfp4 are ds_fpquant's ``nvfp4``, ``mxfp8_e4m3`` and ``mxfp4`` as stored.
+    tensor is one ``(N, K)`` block, per channel blocks ``(1, K)``, ``fp8_pb_wo`` / ``fp8_pb_real`` blocks ``(128, 128)``;
+    NVFP4, MXFP8 and mxfp4 (W4A8_MXFP4_FP8) are ds_fpquant's ``nvfp4``, ``mxfp8_e4m3`` and ``mxfp4`` as stored.
 
     Raises:
         ValueError: tensors missing or unexpected, of other dtypes or shapes, scales that are not positive and
