@@ -19,7 +19,7 @@ from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts
 from ds_fpquant.nn.model_walk import linear_modules, shared_scale_groups
 from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale, quantize
-from ds_fpquant.tensor.slicing import join_rows
+from ds_fpquant.tensor.slicing import join_rows, nvfp4_beside_e2m1
 
 __all__ = ["load_quantized"]
 
@@ -199,13 +199,13 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, readin
     if not all(is_quantized.values()):
         raise ValueError(f"{target}: some expert matrices are quantized and some are not; ds_fpquant loads an expert "
                          f"parameter whole, quantized or not")
+    pieces = nvfp4_beside_e2m1([reading.from_parts(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
+                                                   (_rows(by_part[(e, p)], code_parts), in_features), dtype)
+                                for e in range(n_experts) for p in range(n_parts)])  # one layout for all
     qts = []
     for e in range(n_experts):
-        pieces = [reading.from_parts(f"{target}[expert {e}, part {p}]", by_part[(e, p)],
-                                     (_rows(by_part[(e, p)], code_parts), in_features), dtype)
-                  for p in range(n_parts)]
         try:
-            qts.append(join_rows(pieces))
+            qts.append(join_rows(pieces[e * n_parts:(e + 1) * n_parts]))
         except ValueError as exc:
             raise ValueError(f"{target}[expert {e}]: {exc}") from None
     if tuple(qts[0].shape) != (out_features, in_features):

@@ -14,10 +14,13 @@ from typing import List, Sequence
 
 import torch
 
+from ds_fpquant.numerics.codec import ieee_denormals
+from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT
 from ds_fpquant.numerics.packing import ceil_div, codes_per_unit, group_bytes, row_bytes
+from ds_fpquant.numerics.scales import fp32_scales
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["row_slice", "column_slice", "split_rows", "join_rows"]
+__all__ = ["row_slice", "column_slice", "split_rows", "join_rows", "nvfp4_beside_e2m1"]
 
 
 def row_slice(qt: QuantizedTensor, r0: int, r1: int, name: str = "qt") -> QuantizedTensor:
@@ -121,3 +124,20 @@ def join_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
               for qt in parts]
     return replace(first, codes=torch.cat([qt.codes for qt in parts]), scales=torch.cat(scales), block=block,
                    shape=torch.Size((sum(qt.shape[0] for qt in parts), first.shape[1])))
+
+
+def nvfp4_beside_e2m1(pieces: Sequence[QuantizedTensor]) -> List[QuantizedTensor]:
+    """``pieces`` (the matrices of one expert parameter) in one layout where they mix ``nvfp4`` with ``e2m1``
+    row groups of 16 with fp32 scales (what the compressed-tensors reader makes of an NVFP4 weight whose
+    global scale does not divide exactly through ``1/g``): each ``nvfp4`` piece becomes ``e2m1`` with the
+    fp32 scales ``fl(decode(c) * t)`` its groups dequantize with (SPEC 3.4), so every value stays bit for bit.
+    Other pieces, and lists that do not mix the two, are returned as they are."""
+    def fp32_e2m1(qt):
+        return qt.fmt == "e2m1" and qt.group_size == 16 and qt.block is None and qt.scale_format == "fp32"
+
+    if not (any(qt.fmt == "nvfp4" for qt in pieces) and any(fp32_e2m1(qt) for qt in pieces)):
+        return list(pieces)
+    with torch.no_grad(), ieee_denormals():  # the scales dequantize() uses, computed the same way
+        return [replace(qt, fmt="e2m1", scale_format="fp32", tensor_scale=None,
+                        scales=fp32_scales(qt.scales, NVFP4_SCALE_FORMAT, qt.tensor_scale))
+                if qt.fmt == "nvfp4" else qt for qt in pieces]

@@ -11,6 +11,10 @@ Formats read (per ``config_groups`` entry, ``weights`` of ``type: "float"``, ``s
 - ``mxfp8-quantized``: e4m3 ``weight`` with ``weight_scale`` ``uint8`` E8M0 bytes ``(N, K/32)`` -> ``mxfp8_e4m3``.
 - ``mxfp4-pack-quantized``: ``weight_packed`` ``uint8`` ``(N, K/2)`` (two e2m1 codes a byte, the first in the
   low nibble) with E8M0 ``weight_scale`` ``(N, K/32)`` -> ``mxfp4``.
+- ``mxfp6-pack-quantized`` (``num_bits: 6``, compressed-tensors' only 6-bit float, E2M3): ``weight_packed``
+  ``uint8`` ``(N, 3K/4)``, four 6-bit codes (sign in bit 5) in a 3-byte little-endian word, the first code in the
+  lowest bits (``pack_fp6_to_uint8``): SPEC 6's bit stream byte for byte, so no repacking; with E8M0
+  ``weight_scale`` ``(N, K/32)`` -> ``mxfp6_e2m3``.
 - ``nvfp4-pack-quantized``: ``weight_packed`` as above, ``weight_scale`` ``float8_e4m3fn`` ``(N, K/16)`` and
   ``weight_global_scale`` fp32 ``(1,)``, a *divisor*: compressed-tensors dequantizes
   ``w = fl(decode(q) * fl(decode(c) / g))`` in fp32 (then rounds to the model dtype). ds_fpquant's NVFP4
@@ -21,7 +25,7 @@ Formats read (per ``config_groups`` entry, ``weights`` of ``type: "float"``, ``s
 ``input_scale`` / ``input_global_scale`` (static activation quantization) are recorded on the model and not
 applied (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`). Refused with a
 ``ValueError``: integer schemes, asymmetric weights (zero points), dynamic weights, other formats
-(``pack-quantized``, ``int-quantized``, ``mxfp6-pack-quantized``, sparse ones), ``kv_cache_scheme``,
+(``pack-quantized``, ``int-quantized``, sparse ones), ``kv_cache_scheme``,
 ``transform_config``, ``sparsity_config``, and checkpoints not in ``quantization_status: "compressed"``.
 """
 
@@ -47,6 +51,7 @@ FORMATS = {
     "naive-quantized": (8, ("tensor", "channel", "block", "group")),
     "mxfp8-quantized": (8, ("group",)),
     "mxfp4-pack-quantized": (4, ("group",)),
+    "mxfp6-pack-quantized": (6, ("group",)),
     "nvfp4-pack-quantized": (4, ("tensor_group",)),
 }
 
@@ -88,7 +93,8 @@ def _check_args(args, where: str, fmt: str) -> Dict[str, Any]:
             raise ValueError(f"{where}.weights.block_structure={block!r} must be [Br, Bc], two ints >= 1")
     if strategy in ("group", "tensor_group"):
         group = args.get("group_size")
-        want = {"mxfp8-quantized": 32, "mxfp4-pack-quantized": 32, "nvfp4-pack-quantized": 16}.get(fmt)
+        want = {"mxfp8-quantized": 32, "mxfp4-pack-quantized": 32, "mxfp6-pack-quantized": 32,
+                "nvfp4-pack-quantized": 16}.get(fmt)
         if not (isinstance(group, int) and not isinstance(group, bool) and group >= 1) or (want and group != want):
             raise ValueError(f"{where}.weights.group_size={group!r} must be {want or 'an int >= 1'} for {fmt!r}")
     return args
@@ -183,14 +189,17 @@ def _make_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
             layouts.check_parts(name, f"{METHOD} {fmt}", parts, required)
             packed, scales = parts["weight_packed"], parts["weight_scale"]
             if packed.dtype != torch.uint8:
-                raise ValueError(f"{name}.weight_packed: packed e2m1 codes are uint8, got {packed.dtype}")
+                raise ValueError(f"{name}.weight_packed: packed {fmt} codes are uint8, got {packed.dtype}")
             if fmt.startswith("nvfp4"):
                 qt = _nvfp4(name, packed, scales, parts["weight_global_scale"], shape, dtype)
             else:
                 if scales.dtype != torch.uint8:
                     raise ValueError(f"{name}.weight_scale: MX scales are uint8 E8M0 bytes, got {scales.dtype}")
-                qt = QuantizedTensor(codes=packed, scales=scales, shape=torch.Size(shape), dtype=dtype, fmt="mxfp4",
-                                     group_size=32, scale_format="e8m0")
+                # mxfp6: compressed-tensors' 6-bit codes are e2m3 (FP6_E2M3_DATA, the only 6-bit float it has),
+                # four a 3-byte little-endian word, the first in the low bits: SPEC 6's bit stream, byte for byte
+                qt = QuantizedTensor(codes=packed, scales=scales, shape=torch.Size(shape), dtype=dtype,
+                                     fmt="mxfp6_e2m3" if fmt.startswith("mxfp6") else "mxfp4", group_size=32,
+                                     scale_format="e8m0")
             return checked(name, qt)
         layouts.check_parts(name, f"{METHOD} {fmt}", parts, ("weight", "weight_scale"))
         weight, scale = parts["weight"], parts["weight_scale"]

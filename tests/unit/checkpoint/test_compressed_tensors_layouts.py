@@ -59,6 +59,7 @@ SCHEMES = {
     "NVFP4": ("NVFP4", "nvfp4-pack-quantized"),  # plus input_global_scale (recorded, not applied)
     "MXFP4": ("MXFP4", "mxfp4-pack-quantized"),
     "MXFP8": ("MXFP8", "mxfp8-quantized"),
+    "MXFP6": ("MXFP6A16", "mxfp6-pack-quantized"),  # e2m3, four codes in three bytes: read as mxfp6_e2m3
 }
 
 
