@@ -74,14 +74,17 @@ def quantize_main(argv=None) -> int:
     qc = summary["quantization_config"]
     scaling_text = (f"blocks {qc['weight_block_size'][0]}x{qc['weight_block_size'][1]}" if qc.get("weight_block_size")
                     else f"groups of {qc.get('group_size')}")
+    if "weight_block_size" not in qc and "group_size" not in qc:  # another tool's layout: its own scheme name
+        scaling_text = str(qc.get("format") or qc.get("quant_algo"))
     if args.granularity:
         scaling_text = f"one scale per {'matrix' if args.granularity == 'tensor' else 'output row'}"
     print(f"{args.dst}: {summary['quantized']} linear and expert weights quantized to {args.fmt} ({scaling_text}, "
           f"quant_method {qc['quant_method']!r}), {summary['copied']} tensors copied unchanged; weights "
           f"{summary['bytes_before'] / 2**20:.2f} MiB -> {summary['bytes_after'] / 2**20:.2f} MiB; "
           f"{len(summary['shards'])} shard(s)")
-    if qc["modules_to_not_convert"]:
-        print(f"kept unquantized: {', '.join(qc['modules_to_not_convert'])}")
+    kept = qc.get("modules_to_not_convert", qc.get("ignore", []))
+    if kept:
+        print(f"kept unquantized: {', '.join(kept)}")
     if summary["kept_partial"]:
         print(f"(of these, kept because transformers' FP8 loader would misread them; --allow-partial-blocks writes "
               f"them: {', '.join(summary['kept_partial'])})")
