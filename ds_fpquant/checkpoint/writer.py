@@ -57,8 +57,7 @@ __all__ = ["LAYOUTS", "PartialBlocksWarning", "UnsharedTensorScaleWarning", "Glo
 DEFAULT_BLOCK = (128, 128)
 
 #: the ``layout=`` values: block FP8, compressed-tensors, NVIDIA ModelOpt, ds_fpquant's own (docs/checkpoints.md)
-LAYOUTS = LAYOUT_CHOICES
-assert LAYOUTS == (FP8_METHOD, ct_write.LAYOUT, modelopt_write.LAYOUT, OWN_METHOD)
+LAYOUTS = LAYOUT_CHOICES  # each the quant_method it writes (tests/unit/checkpoint/test_layout_writers.py checks)
 
 GlobalScaleRoundingWarning = ct_write.GlobalScaleRoundingWarning
 

@@ -17,7 +17,7 @@ from unit.tiny_models import tiny_gpt2, tiny_llama
 
 import ds_fpquant as fpq
 from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning, ct_write
-from ds_fpquant.checkpoint.writer import GlobalScaleRoundingWarning
+from ds_fpquant.checkpoint.writer import LAYOUTS, GlobalScaleRoundingWarning
 from ds_fpquant.cli.quantize import quantize_main
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 from ds_fpquant.nn.quantized_params import quantized_experts
@@ -344,6 +344,14 @@ def test_conv1d_weights_are_refused_by_the_other_tools_layouts(tmp_path):
     with pytest.raises(ValueError, match=r"layout='modelopt' stores Linear \(out, in\).*Conv1D"):
         fpq.quantize_checkpoint(src, tmp_path / "out", "nvfp4", layout="modelopt", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_layout_names_are_the_quant_methods_written():
+    from ds_fpquant.checkpoint.disk_format import FP8_METHOD, OWN_METHOD
+    from ds_fpquant.checkpoint.layouts import modelopt_write
+
+    assert LAYOUTS == (FP8_METHOD, ct_write.LAYOUT, modelopt_write.LAYOUT, OWN_METHOD)
+    assert ct_write.LAYOUT == "compressed-tensors" and modelopt_write.LAYOUT == "modelopt"
 
 
 def test_default_layout_is_unchanged(sources, tmp_path):
