@@ -93,6 +93,20 @@ class _Layout:
             raise ValueError(f"layout={self.method!r} stores Linear (out, in) weights; these are GPT-2 Conv1D weights "
                              f"(in, out): {list(names)} (write layout='ds_fpquant', or exclude them)")
 
+    def check_shapes(self, shapes: Dict[str, Sequence[int]]) -> None:
+        """``ValueError`` for weights (name -> ``(N, K)``) whose groups the layout's readers need whole (compressed-
+        tensors' group strategies and ModelOpt's NVFP4 refuse ``K`` that is not a multiple of the group)."""
+        group = None
+        if self.method == ct_write.LAYOUT and self.info["weights"]["strategy"] in ("group", "tensor_group"):
+            group = self.info["weights"]["group_size"]
+        elif self.method == modelopt_write.LAYOUT and self.info == "W4A16_NVFP4":
+            group = modelopt_write.NVFP4_GROUP
+        partial = {name: tuple(shape) for name, shape in shapes.items() if group and shape[-1] % group}
+        if partial:
+            raise ValueError(f"layout={self.method!r} stores groups of {group} along in_features whole; these weights' "
+                             f"in_features are not a multiple of {group}: {partial} (exclude them, or write "
+                             f"layout='ds_fpquant')")
+
     def parts(self, qt, base: str) -> Dict[str, torch.Tensor]:
         """The tensors that store ``qt`` (the weight of ``base``) by part name."""
         if self.method == ct_write.LAYOUT:
@@ -260,6 +274,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                                                   max_shard_bytes, progress)
     plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks
     writing.check_conv1d([name for name in plan.values() if linears[name]])
+    writing.check_shapes({**{name: headers[key][1] for key, name in plan.items()},
+                          **{key: headers[key][1] for key in expert_plan},
+                          **{target: expert_matrix_shape(*_owner(meta, keys, target)) for target in fused_plan.values()}})
     # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
     unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
     kept_partial = []
@@ -475,6 +492,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     meta = meta_model(config.__class__.from_dict(config.to_dict()), type(model))
     linears, keys = linear_modules(meta), CheckpointKeys(meta)
     writing.check_conv1d([n for n in layers if linears.get(n)])
+    writing.check_shapes({name: qt.shape for name, qt in qts.items()})
     partial = [n for n, qt in qts.items() if method == FP8_METHOD and (linears.get(n) or not whole_blocks(qt.shape, block_size))]
     if partial and not allow_partial_blocks:
         raise ValueError(f"these quantized weights would be misread by transformers' FP8 loader (blocks cut by the "

@@ -29,7 +29,7 @@ import torch
 from ds_fpquant.checkpoint.layouts.modelopt import HF_QUANT_CONFIG, MODELOPT_METHOD, NVFP4_GROUP
 from ds_fpquant.numerics.formats import WHOLE
 
-__all__ = ["LAYOUT", "HF_QUANT_CONFIG", "check", "to_parts", "hf_quant_config", "quantization_config"]
+__all__ = ["LAYOUT", "HF_QUANT_CONFIG", "NVFP4_GROUP", "check", "to_parts", "hf_quant_config", "quantization_config"]
 
 #: the ``layout=`` name of this layout
 LAYOUT = MODELOPT_METHOD

@@ -338,6 +338,33 @@ def test_bad_layout_combinations_are_refused_before_writing(sources, tmp_path, l
         assert not dst.exists()
 
 
+@pytest.mark.parametrize("layout,settings", [("compressed-tensors", dict(fmt="e4m3", group_size=48)),
+                                             ("compressed-tensors", dict(fmt="mxfp4")),
+                                             ("modelopt", dict(fmt="nvfp4"))])
+def test_partial_groups_are_refused_where_the_readers_refuse_them(tmp_path, layout, settings):
+    """compressed-tensors' group strategies and ModelOpt's NVFP4 need ``K`` a multiple of the group (compressed-
+    tensors' decompress raises "tensor column shape must be divisble by the given group_size"): refused before
+    writing, naming the weights. A 2-D block cut by the matrix edge is fine (compressed-tensors pads)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=72, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    src = tmp_path / "src"
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(src)  # down_proj has K = 72
+    with pytest.raises(ValueError, match=rf"layout='{layout}' stores groups of .*model.layers.0.mlp.down_proj"):
+        fpq.quantize_checkpoint(src, tmp_path / "out", layout=layout, progress=False, **settings)
+    assert not (tmp_path / "out").exists()
+    model = fpq.load_quantized(src, fp_quantization=settings)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj"):
+        fpq.save_quantized(model, tmp_path / "out", layout=layout)
+    assert not (tmp_path / "out").exists()
+    fpq.quantize_checkpoint(src, tmp_path / "blocks", "e4m3", block=(48, 48), layout="compressed-tensors", progress=False)
+    qconfig = json.loads((tmp_path / "blocks" / "config.json").read_text())["quantization_config"]
+    tensors = read_tensors(tmp_path / "blocks")
+    qt = fpq.load_quantized(tmp_path / "blocks").model.layers[0].mlp.down_proj.quantized_weight
+    theirs = _ct_decompress(tensors, "model.layers.0.mlp.down_proj", qconfig)
+    assert torch.equal(_bits(fpq.dequantize(qt, torch.float32)), _bits(theirs))
+
+
 def test_conv1d_weights_are_refused_by_the_other_tools_layouts(tmp_path):
     src = tmp_path / "gpt2"
     tiny_gpt2().save_pretrained(src)
