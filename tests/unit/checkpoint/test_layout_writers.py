@@ -399,3 +399,26 @@ def test_cli_layout(sources, tmp_path, capsys):
     assert "layout='modelopt' cannot hold fmt='e3m2'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         quantize_main([str(sources["llama"]), str(tmp_path / "s"), "--layout", "awq", "--no-progress"])
+
+
+@pytest.mark.parametrize("layout,fmt", [("modelopt", "nvfp4"), ("compressed-tensors", "mxfp4")])
+def test_stored_expert_stacks_in_the_other_tools_layouts(tmp_path, monkeypatch, layout, fmt):
+    """A model without per-expert keys (simulated: ``CheckpointKeys.unfuse`` finds none) gets its experts written as
+    stacks ``<p>`` + the layout's suffixes (``_scale``, ``_scale_2`` / ``_packed``), as for the other layouts;
+    load_quantized reads the same codes and scales back."""
+    from ds_fpquant.checkpoint.keys import CheckpointKeys
+
+    src = tmp_path / "src"
+    tiny_qwen3_moe().to(torch.bfloat16).save_pretrained(src)
+    model = fpq.load_quantized(src, fp_quantization={"fmt": fmt})
+    monkeypatch.setattr(CheckpointKeys, "unfuse", lambda self, key, shape: None)
+    fpq.save_quantized(model, tmp_path / "q", layout=layout)
+    tensors = read_tensors(tmp_path / "q")
+    stack = "model.layers.1.mlp.experts.gate_up_proj"
+    assert (f"{stack}_scale_2" if layout == "modelopt" else f"{stack}_packed") in tensors
+    assert not any(".experts.0." in k for k in tensors)
+    loaded = fpq.load_quantized(tmp_path / "q")
+    ours = quantized_experts(model.model.layers[1].mlp.experts)
+    for pname, qts in quantized_experts(loaded.model.layers[1].mlp.experts).items():
+        for e, qt in enumerate(qts):
+            _same_qt(qt, ours[pname][e], f"{pname}[{e}]")
