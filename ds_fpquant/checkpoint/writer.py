@@ -9,11 +9,12 @@ Source tensors are read one at a time through ``safetensors.safe_open`` and outp
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import warnings
 from collections import Counter
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,16 +42,96 @@ from ds_fpquant.checkpoint.hf_files import (
     write_model_config,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
+from ds_fpquant.checkpoint.layouts import ct_write, modelopt_write
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
 from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
 from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
+from ds_fpquant.numerics.choices import LAYOUTS as LAYOUT_CHOICES
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, resolve_granularity
 from ds_fpquant.tensor.quantize import check_settings, nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import split_rows
 
-__all__ = ["PartialBlocksWarning", "UnsharedTensorScaleWarning", "quantize_checkpoint", "save_quantized"]
+__all__ = ["LAYOUTS", "PartialBlocksWarning", "UnsharedTensorScaleWarning", "GlobalScaleRoundingWarning",
+           "quantize_checkpoint", "save_quantized"]
 
 DEFAULT_BLOCK = (128, 128)
+
+#: the ``layout=`` values: block FP8, compressed-tensors, NVIDIA ModelOpt, ds_fpquant's own (docs/checkpoints.md)
+LAYOUTS = LAYOUT_CHOICES  # each the quant_method it writes (tests/unit/checkpoint/test_layout_writers.py checks)
+
+GlobalScaleRoundingWarning = ct_write.GlobalScaleRoundingWarning
+
+
+class _Layout:
+    """The layout one checkpoint is written in (``layout=``, ``None``: block FP8 for e4m3 / e5m2 with fp32 scales,
+    else ds_fpquant's), checked against the settings (resolved, as the weights' QuantizedTensors hold them) before
+    anything is written: the parts of one weight by name, ``config.json``'s ``quantization_config``, other files."""
+
+    def __init__(self, layout: Optional[str], fmt: str, group_size, block, scale_format: str):
+        from ds_fpquant.numerics import checks
+
+        fp8 = fmt in FP8_DTYPES and scale_format == "fp32"
+        if layout is None:
+            layout = FP8_METHOD if fp8 else OWN_METHOD
+        checks.check_choice("layout", layout, LAYOUTS)
+        self.method, self.inexact, self.info = layout, [], None
+        if layout == FP8_METHOD and not fp8:
+            raise ValueError(f"layout={layout!r} cannot hold fmt={fmt!r} with scale_format={scale_format!r}; it holds "
+                             f"e4m3 / e5m2 with fp32 scales")
+        if layout == ct_write.LAYOUT:
+            self.info = ct_write.check(fmt, group_size, block, scale_format)
+        elif layout == modelopt_write.LAYOUT:
+            self.info = modelopt_write.check(fmt, group_size, block, scale_format)
+
+    @property
+    def foreign(self) -> bool:
+        """Another tool's layout (compressed-tensors, ModelOpt): ``(out, in)`` Linear weights only."""
+        return self.method in (ct_write.LAYOUT, modelopt_write.LAYOUT)
+
+    def check_conv1d(self, names: Sequence[str]) -> None:
+        if names and self.foreign:
+            raise ValueError(f"layout={self.method!r} stores Linear (out, in) weights; these are GPT-2 Conv1D weights "
+                             f"(in, out): {list(names)} (write layout='ds_fpquant', or exclude them)")
+
+    def check_shapes(self, shapes: Dict[str, Sequence[int]]) -> None:
+        """``ValueError`` for weights (name -> ``(N, K)``) whose groups the layout's readers need whole (compressed-
+        tensors' group strategies and ModelOpt's NVFP4 refuse ``K`` that is not a multiple of the group)."""
+        group = None
+        if self.method == ct_write.LAYOUT and self.info["weights"]["strategy"] in ("group", "tensor_group"):
+            group = self.info["weights"]["group_size"]
+        elif self.method == modelopt_write.LAYOUT and self.info == "W4A16_NVFP4":
+            group = modelopt_write.NVFP4_GROUP
+        partial = {name: tuple(shape) for name, shape in shapes.items() if group and shape[-1] % group}
+        if partial:
+            raise ValueError(f"layout={self.method!r} stores groups of {group} along in_features whole; these weights' "
+                             f"in_features are not a multiple of {group}: {partial} (exclude them, or write "
+                             f"layout='ds_fpquant')")
+
+    def parts(self, qt, base: str) -> Dict[str, torch.Tensor]:
+        """The tensors that store ``qt`` (the weight of ``base``) by part name."""
+        if self.method == ct_write.LAYOUT:
+            return ct_write.to_parts(qt, self.info, self.inexact, base)
+        if self.method == modelopt_write.LAYOUT:
+            return modelopt_write.to_parts(qt, self.info)
+        return to_parts(qt, self.method)
+
+    def qconfig(self, layout: Dict[str, Any], not_converted: List[str], linears, transposed: List[str],
+                weight_dtype: str) -> Dict[str, Any]:
+        """``config.json``'s ``quantization_config`` (``not_converted``: the linears and expert parameters left in
+        full precision; ``linears``: the model's linear module names, the other tools list only those)."""
+        kept_linears = [name for name in not_converted if name in linears]
+        if self.method == ct_write.LAYOUT:
+            ct_write.warn_inexact(self.inexact, stacklevel=4)
+            return ct_write.quantization_config(self.info, kept_linears)
+        if self.method == modelopt_write.LAYOUT:
+            return modelopt_write.quantization_config(self.info, kept_linears)
+        return quantization_config(self.method, layout, not_converted, transposed, weight_dtype)
+
+    def write_files(self, directory, qconfig: Dict[str, Any]) -> None:
+        """The layout's files besides ``config.json`` (ModelOpt: ``hf_quant_config.json``)."""
+        if self.method == modelopt_write.LAYOUT:
+            content = modelopt_write.hf_quant_config(self.info, qconfig["ignore"])
+            (directory / modelopt_write.HF_QUANT_CONFIG).write_text(json.dumps(content, indent=4) + "\n")
 
 
 def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude: Sequence[str],
@@ -106,7 +187,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                         group_size: Optional[int] = None, scale_format: Optional[str] = None,
                         exclude: Sequence[str] = (), backend: str = "auto", allow_partial_blocks: bool = False,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
-                        granularity: Optional[str] = None) -> Dict[str, Any]:
+                        granularity: Optional[str] = None, layout: Optional[str] = None) -> Dict[str, Any]:
     """Quantize the linear weights and the expert weights of the Hugging Face model directory ``src``
     into ``dst``.
 
@@ -119,7 +200,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         src: directory with ``config.json`` and ``.safetensors`` weights (one file or an index).
         dst: output directory; must not exist or be empty.
         fmt: element format or preset (docs/api.md). ``"e4m3"`` / ``"e5m2"`` with fp32 scales give the
-            block-FP8 layout (``quant_method: "fp8"``); the rest the ``"ds_fpquant"`` layout.
+            block-FP8 layout (``quant_method: "fp8"``) by default; the rest the ``"ds_fpquant"`` layout.
         block: ``(Br, Bc)`` scale blocks; default ``(128, 128)`` for element formats unless
             ``group_size`` is given (presets bring their own groups).
         group_size: row groups of ``G`` along ``in_features`` instead of blocks.
@@ -139,6 +220,13 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
             them too; ds_fpquant's own loader reads them exactly.
         max_shard_bytes: the largest output shard (the memory the writer holds).
         progress: show a tqdm progress bar over the tensors.
+        layout: the checkpoint layout (docs/checkpoints.md), one of :data:`LAYOUTS`: ``"fp8"`` (block FP8: e4m3 /
+            e5m2 with fp32 scales), ``"compressed-tensors"`` (e4m3 with fp32 scales per tensor, channel, block or
+            group; ``mxfp8_e4m3``, ``mxfp4``, ``nvfp4``), ``"modelopt"`` (e4m3 with fp32 scales and
+            ``granularity="tensor"`` / ``"channel"``; ``nvfp4``; plus ``hf_quant_config.json``) or ``"ds_fpquant"``
+            (every format); ``None``: ``"fp8"`` for e4m3 / e5m2 with fp32 scales, else ``"ds_fpquant"``. NVFP4 in
+            compressed-tensors: :class:`GlobalScaleRoundingWarning` for weights whose tensor scale no divisor
+            reproduces exactly.
 
     Returns:
         a summary: ``quantized`` / ``copied`` tensor counts, ``bytes_before`` / ``bytes_after`` of the
@@ -146,7 +234,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         ``kept_partial`` (weights kept by the ``allow_partial_blocks`` rule), ``quantization_config``.
 
     Raises:
-        ValueError, TypeError: bad arguments, a missing or already-quantized ``src``, a non-empty ``dst``.
+        ValueError, TypeError: bad arguments, a missing or already-quantized ``src``, a non-empty ``dst``; a
+            ``layout`` that cannot hold ``fmt`` with these scales (naming what it holds), Conv1D weights in the
+            compressed-tensors or ModelOpt layout; nothing is written then.
     """
     from tqdm.auto import tqdm
 
@@ -162,7 +252,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     checks.check_choice("backend", backend, BACKENDS)
     if backend == "cuda" and not torch.cuda.is_available():
         raise ValueError("backend='cuda' needs a CUDA device; none is available here (use 'auto' or 'cpu')")
-    config, method, layout = _settings(fmt, block, group_size, scale_format, exclude, granularity)
+    config, _, described = _settings(fmt, block, group_size, scale_format, exclude, granularity)
+    writing = _Layout(layout, fmt, described["group_size"], described["weight_block_size"], described["scale_format"])
+    method = writing.method
     hf_config = read_config(src)
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"src={str(src)!r} is already quantized: quantization_config="
@@ -175,15 +267,22 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
     selected = keys.plan(headers, linears, config.settings_for)
     if layout_gpt_oss.writes_gpt_oss(hf_config, meta, fmt, block, group_size, scale_format):  # its own layout
+        if layout is not None:
+            raise ValueError(f"gpt-oss's mxfp4 experts are written in gpt-oss's own layout; layout={layout!r} "
+                             f"cannot be chosen for them (give layout=None)")
         return layout_gpt_oss.quantize_checkpoint(src, dst, selected.stacks, headers, keys, meta, backend,
                                                   max_shard_bytes, progress)
     plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks
+    writing.check_conv1d([name for name in plan.values() if linears[name]])
+    writing.check_shapes({**{name: headers[key][1] for key, name in plan.items()},
+                          **{key: headers[key][1] for key in expert_plan},
+                          **{target: expert_matrix_shape(*_owner(meta, keys, target)) for target in fused_plan.values()}})
     # a stored (E, out, in) stack is written under the per-expert keys the model is released with, if it has them
     unfused = {key: keys.unfuse(key, headers[key][1]) for key in fused_plan}
     kept_partial = []
     if method == FP8_METHOD and not allow_partial_blocks:
         # what transformers' FP8 loader (and others inferring the block as rows // scale_rows) misreads or refuses
-        block = layout["weight_block_size"]
+        block = described["weight_block_size"]
         for key, name in list(plan.items()):
             if linears[name] or not whole_blocks(headers[key][1], block):
                 kept_partial.append(name)
@@ -223,7 +322,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         """(checkpoint base name, QuantizedTensor) of one expert's parts: quantized together as the row of the
         fused parameter they form (gate over up), as apply quantizes it, then split."""
         rows = [t.shape[0] for t in tensors]
-        block_rows = (layout["weight_block_size"] or (1,))[0]
+        block_rows = (described["weight_block_size"] or (1,))[0]
         if all(n % block_rows == 0 for n in rows[:-1]):
             qts = split_rows(quantize_matrix(torch.cat(tensors), target), rows)
         else:  # a block of rows would span two parts: each part gets its own blocks
@@ -262,7 +361,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
             elif key in fused_plan:  # a stored stack of a model without per-expert keys: each expert on its own
                 owner = _owner(meta, keys, fused_plan[key])[0]  # (E, in, out) stacks of transposed experts: (out, in)
                 qts = [quantize_matrix(expert_matrix(owner, tensor, e), fused_plan[key]) for e in range(tensor.shape[0])]
-                _write_stack(writer, key, qts, method)
+                _write_stack(writer, key, qts, writing)
                 written = []
                 bytes_after += sum(qt.nbytes for qt in qts)
             elif key in expert_plan:  # one expert's gate, up or down, written when all its parts are read
@@ -278,7 +377,7 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                 writer.add(key, tensor)
                 continue
             for base, qt in written:
-                _write_quantized(writer, base, qt, method)
+                _write_quantized(writer, base, qt, writing)
                 bytes_after += qt.nbytes
             if key in expert_plan:
                 sources = tensors
@@ -289,9 +388,10 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
                              f"{sorted(f'{target}[{e}]' for target, e in pending)}")
         shards = writer.close()
         quantized = [*plan, *expert_plan, *fused_plan]
-        qconfig = quantization_config(method, layout, not_converted, [n for n in plan.values() if linears[n]],
-                                       dtypes.most_common(1)[0][0] if dtypes else "float32")
+        qconfig = writing.qconfig(described, not_converted, linears, [n for n in plan.values() if linears[n]],
+                                  dtypes.most_common(1)[0][0] if dtypes else "float32")
         skipped = copy_other_files(src, dst, qconfig)
+        writing.write_files(dst, qconfig)
     except BaseException:
         clear_output(dst, created)
         raise
@@ -306,15 +406,15 @@ def _owner(meta, keys: CheckpointKeys, target: str):
     return meta.get_submodule(module_name), pname
 
 
-def _write_quantized(writer: "ShardWriter", base: str, qt, method: str) -> None:
+def _write_quantized(writer: "ShardWriter", base: str, qt, writing: _Layout) -> None:
     """Add the tensors of ``qt`` as ``<base>.weight``, ``<base>.weight_scale_inv`` / ``.weight_scale`` / ... ."""
-    for part_name, part in to_parts(qt, method).items():
+    for part_name, part in writing.parts(qt, base).items():
         writer.add(f"{base}.{part_name}", part)
 
 
-def _write_stack(writer: "ShardWriter", key: str, qts, method: str) -> None:
+def _write_stack(writer: "ShardWriter", key: str, qts, writing: _Layout) -> None:
     """Add the experts ``qts`` of a stored stack as ``<key>`` ``(E, ...)`` plus ``<key>_scale_inv`` / ... ."""
-    stacked = [to_parts(qt, method) for qt in qts]
+    stacked = [writing.parts(qt, f"{key}[expert {e}]") for e, qt in enumerate(qts)]
     for part_name in stacked[0]:
         writer.add(key + part_name[len("weight"):], torch.stack([t[part_name] for t in stacked]))
 
@@ -337,7 +437,7 @@ def _quantized_parts(model: torch.nn.Module):
 
 
 def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   allow_partial_blocks: bool = True) -> Dict[str, Any]:
+                   allow_partial_blocks: bool = True, layout: Optional[str] = None) -> Dict[str, Any]:
     """Write a quantized transformers model (from :func:`ds_fpquant.apply`, ``init_inference``'s
     ``engine.module`` at tp=1, or :func:`load_quantized`) as the checkpoint :func:`quantize_checkpoint`
     would write for it: codes and scales as they are (nothing is quantized again), expert stacks under
@@ -352,6 +452,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         allow_partial_blocks: block-FP8 layout: weights transformers' FP8 loader would misread (see
             :func:`quantize_checkpoint`) cannot be kept in full precision here (the model no longer holds
             it); ``True`` (default) writes them with a :class:`PartialBlocksWarning`, ``False`` raises.
+        layout: the checkpoint layout, as for :func:`quantize_checkpoint` (``None``: ``"fp8"`` for e4m3 / e5m2 with
+            fp32 scales, else ``"ds_fpquant"``); the layers' settings must be ones it holds.
 
     Returns:
         the summary :func:`quantize_checkpoint` returns (``bytes_before`` is the full-precision size), plus
@@ -360,7 +462,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     Raises:
         TypeError, ValueError: not a transformers model, no quantized layers, layers with different
             settings, AutoTP shards, a non-empty ``directory``, partial blocks with
-            ``allow_partial_blocks=False``; nothing is written then.
+            ``allow_partial_blocks=False``, a ``layout`` that cannot hold the layers' settings; nothing is written
+            then.
     """
     from ds_fpquant.numerics import checks
 
@@ -373,7 +476,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     layers, stacks = _quantized_parts(model)
     if not layers and not stacks:
         raise ValueError(f"{type(model).__name__} holds no ds_fpquant-quantized layers; save it with save_pretrained")
-    if layout_gpt_oss.can_save(model, layers, stacks):  # gpt-oss, experts only, mxfp4: gpt-oss's own layout
+    if layout is None and layout_gpt_oss.can_save(model, layers, stacks):  # gpt-oss, mxfp4 experts: its own layout
         return layout_gpt_oss.save_quantized(model, directory, max_shard_bytes=max_shard_bytes)
     qts = {**{name: qt for name, (qt, _) in layers.items()}, **{name: qts[0] for name, qts in stacks.items()}}
     settings = {name: (qt.fmt, qt.group_size, qt.block, qt.scale_format, qt.grouping) for name, qt in qts.items()}
@@ -383,10 +486,13 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         raise ValueError(f"a checkpoint holds one format and scaling; these layers differ from "
                          f"{next(iter(settings))} {first} (fmt, group_size, block, scale_format, grouping): {differ}")
     fmt, group_size, block, scale_format, _ = first
-    method = FP8_METHOD if fmt in FP8_DTYPES and scale_format == "fp32" else OWN_METHOD
+    writing = _Layout(layout, fmt, group_size, block, scale_format)
+    method = writing.method
     block_size = list(block) if block else ([1, group_size] if method == FP8_METHOD else None)
     meta = meta_model(config.__class__.from_dict(config.to_dict()), type(model))
     linears, keys = linear_modules(meta), CheckpointKeys(meta)
+    writing.check_conv1d([n for n in layers if linears.get(n)])
+    writing.check_shapes({name: qt.shape for name, qt in qts.items()})
     partial = [n for n, qt in qts.items() if method == FP8_METHOD and (linears.get(n) or not whole_blocks(qt.shape, block_size))]
     if partial and not allow_partial_blocks:
         raise ValueError(f"these quantized weights would be misread by transformers' FP8 loader (blocks cut by the "
@@ -444,7 +550,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             writer.add(key, tensor.detach().cpu())
             copied += 1
         for name, (qt, bias) in layers.items():
-            _write_quantized(writer, name, qt, method)
+            _write_quantized(writer, name, qt, writing)
             if bias is not None:
                 writer.add(f"{name}.bias", bias.detach().cpu())
             bytes_before += math.prod(qt.shape) * qt.dtype.itemsize
@@ -457,17 +563,19 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
                 for e, qt in enumerate(experts):
                     parts = expert_rows(names, e)
                     for (_, key, _), piece in zip(parts, split_rows(qt, [rows for _, _, rows in parts])):
-                        _write_quantized(writer, key[:-len(".weight")], piece, method)
+                        _write_quantized(writer, key[:-len(".weight")], piece, writing)
             else:  # no per-expert keys for this model, or a block of rows spans gate and up: stored as a stack
-                _write_stack(writer, name, experts, method)
+                _write_stack(writer, name, experts, writing)
             bytes_before += math.prod(shape) * experts[0].dtype.itemsize
             bytes_after += sum(qt.nbytes for qt in experts)
         shards = writer.close()
-        layout = {"fmt": fmt, "group_size": group_size, "weight_block_size": block_size, "scale_format": scale_format}
+        described = {"fmt": fmt, "group_size": group_size, "weight_block_size": block_size,
+                     "scale_format": scale_format}
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
-        qconfig = quantization_config(method, layout, not_converted, [n for n in layers if linears.get(n)],
-                                       str(next(iter(qts.values())).dtype).replace("torch.", ""))
+        qconfig = writing.qconfig(described, not_converted, linears, [n for n in layers if linears.get(n)],
+                                  str(next(iter(qts.values())).dtype).replace("torch.", ""))
         write_model_config(directory, model, qconfig)
+        writing.write_files(directory, qconfig)
     except BaseException:
         clear_output(directory, created)
         raise

@@ -8,14 +8,16 @@ import argparse
 def quantize_parser():
     """The argument parser of ``ds-fpquant quantize``; its choices come from :mod:`ds_fpquant.numerics.choices`."""
     from ds_fpquant.checkpoint.hf_files import DEFAULT_MAX_SHARD_BYTES
+    from ds_fpquant.checkpoint.writer import LAYOUTS
     from ds_fpquant.numerics.choices import ALL_SCALE_FORMATS, BACKENDS, GRANULARITIES
     from ds_fpquant.numerics.formats import FORMATS, PRESETS
 
     parser = argparse.ArgumentParser(
         prog="ds-fpquant quantize",
         description="Quantize the linear and mixture-of-experts weights of a Hugging Face model directory "
-                    "(safetensors) into an FP8/FP6/FP4 checkpoint: block-FP8 (quant_method 'fp8', what vLLM and SGLang load) for e4m3/e5m2, the "
-                    "ds_fpquant layout otherwise (docs/checkpoints.md). Load it back with ds_fpquant.load_quantized.")
+                    "(safetensors) into an FP8/FP6/FP4 checkpoint: by default block-FP8 (quant_method 'fp8', what vLLM and "
+                    "SGLang load) for e4m3/e5m2, the ds_fpquant layout otherwise; --layout picks compressed-tensors or "
+                    "ModelOpt instead (docs/checkpoints.md). Load it back with ds_fpquant.load_quantized.")
     parser.add_argument("src", help="model directory with config.json and .safetensors weights")
     parser.add_argument("dst", help="output directory (new or empty)")
     parser.add_argument("--fmt", default="e4m3", choices=[*FORMATS, *PRESETS], help="element format or preset "
@@ -29,6 +31,10 @@ def quantize_parser():
                               "or groups; docs/spec.md SPEC 2)")
     parser.add_argument("--scale-format", choices=list(ALL_SCALE_FORMATS),
                         help="scale format (SPEC 3; default fp32, or the preset's own; e4m3 is nvfp4's)")
+    parser.add_argument("--layout", choices=list(LAYOUTS),
+                        help="checkpoint layout (default: fp8 for e4m3/e5m2 with fp32 scales, else ds_fpquant); "
+                             "compressed-tensors holds e4m3 (tensor/channel/block/group), mxfp8_e4m3, mxfp4, nvfp4; "
+                             "modelopt holds e4m3 with --granularity tensor/channel, nvfp4")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                         help="regular expression (re.search) of module names to keep unquantized; repeat for more "
                              "(embeddings and output heads are always kept)")
@@ -59,7 +65,7 @@ def quantize_main(argv=None) -> int:
             warnings.simplefilter("ignore", PartialBlocksWarning)
             summary = quantize_checkpoint(args.src, args.dst, args.fmt, block=tuple(args.block) if args.block else None,
                                           group_size=args.group_size, granularity=args.granularity,
-                                          scale_format=args.scale_format,
+                                          scale_format=args.scale_format, layout=args.layout,
                                           exclude=args.exclude, backend=args.backend,
                                           allow_partial_blocks=args.allow_partial_blocks,
                                           max_shard_bytes=args.max_shard_size * 2**20, progress=not args.no_progress)
@@ -68,14 +74,17 @@ def quantize_main(argv=None) -> int:
     qc = summary["quantization_config"]
     scaling_text = (f"blocks {qc['weight_block_size'][0]}x{qc['weight_block_size'][1]}" if qc.get("weight_block_size")
                     else f"groups of {qc.get('group_size')}")
+    if "weight_block_size" not in qc and "group_size" not in qc:  # another tool's layout: its own scheme name
+        scaling_text = str(qc.get("format") or qc.get("quant_algo"))
     if args.granularity:
         scaling_text = f"one scale per {'matrix' if args.granularity == 'tensor' else 'output row'}"
     print(f"{args.dst}: {summary['quantized']} linear and expert weights quantized to {args.fmt} ({scaling_text}, "
           f"quant_method {qc['quant_method']!r}), {summary['copied']} tensors copied unchanged; weights "
           f"{summary['bytes_before'] / 2**20:.2f} MiB -> {summary['bytes_after'] / 2**20:.2f} MiB; "
           f"{len(summary['shards'])} shard(s)")
-    if qc["modules_to_not_convert"]:
-        print(f"kept unquantized: {', '.join(qc['modules_to_not_convert'])}")
+    kept = qc.get("modules_to_not_convert", qc.get("ignore", []))
+    if kept:
+        print(f"kept unquantized: {', '.join(kept)}")
     if summary["kept_partial"]:
         print(f"(of these, kept because transformers' FP8 loader would misread them; --allow-partial-blocks writes "
               f"them: {', '.join(summary['kept_partial'])})")

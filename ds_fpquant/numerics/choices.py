@@ -24,6 +24,11 @@ SCALE_FORMATS = ("fp32", "e8m0")
 ALL_SCALE_FORMATS = (*SCALE_FORMATS, NVFP4_SCALE_FORMAT)
 
 
+#: ``layout=`` of the checkpoint writers (docs/checkpoints.md): block FP8, compressed-tensors, NVIDIA ModelOpt,
+#: ds_fpquant's own; each is the ``quant_method`` it writes.
+LAYOUTS = ("fp8", "compressed-tensors", "modelopt", "ds_fpquant")
+
+
 #: ``scale_rounding=`` of E8M0 scales (SPEC 3.2).
 SCALE_ROUNDINGS = ("ceil", "floor")
 

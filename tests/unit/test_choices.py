@@ -19,7 +19,8 @@ def _cli_choices():
 
 def test_cli_choices_are_the_library_choices():
     assert _cli_choices() == {"fmt": [*FORMATS, *PRESETS], "scale_format": list(choices.ALL_SCALE_FORMATS),
-                              "backend": list(choices.BACKENDS), "granularity": list(choices.GRANULARITIES)}
+                              "backend": list(choices.BACKENDS), "granularity": list(choices.GRANULARITIES),
+                              "layout": list(choices.LAYOUTS)}
 
 
 @pytest.mark.parametrize("field,values", [("backend", choices.BACKENDS), ("scale_format", choices.ALL_SCALE_FORMATS),

@@ -1,0 +1,95 @@
+"""Writing NVIDIA ModelOpt's layout (``quant_method: "modelopt"``, as nvidia-modelopt 0.47's ``export_hf_checkpoint``
+writes it and :mod:`ds_fpquant.checkpoint.layouts.modelopt` reads it; ``docs/checkpoints.md``).
+
+Per quantized weight ``<m>`` (``(N, K)``):
+
+- ``FP8`` (``e4m3``, fp32 scales, ``granularity="tensor"``): ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``,
+  ``<m>.weight_scale`` fp32 0-dim (a multiplier, ``w = q * s``).
+- ``FP8_PER_CHANNEL_PER_TOKEN`` (``e4m3``, fp32 scales, ``granularity="channel"``): ``<m>.weight_scale`` fp32 ``(N,)``.
+- ``W4A16_NVFP4`` (``nvfp4``): ``<m>.weight`` ``uint8`` ``(N, K/2)`` (SPEC 6 packing, ModelOpt's), ``<m>.weight_scale``
+  ``float8_e4m3fn`` ``(N, K/16)``, ``<m>.weight_scale_2`` fp32 0-dim, the multiplier ``t`` (SPEC 3.4, exactly ModelOpt's
+  ``fl(decode(q) * fl(decode(c) * t))``).
+
+No ``input_scale`` is written: ds_fpquant quantizes weights only (static activation scales need a calibration it does
+not do), so NVFP4 is the weight-only ``W4A16_NVFP4``. ModelOpt has no weight-only name for per-tensor FP8: ``FP8`` is
+written, as ModelOpt's own algo name, without ``input_scale`` (a consumer that needs static activation scales for
+``FP8`` refuses or computes them itself).
+
+``hf_quant_config.json``: ``{"producer": {"name": "modelopt", "version": ...}, "quantization": {"quant_algo",
+"kv_cache_quant_algo": null, "group_size": 16 (NVFP4), "exclude_modules"}}``; ``config.json``'s ``quantization_config``
+is what ModelOpt's ``convert_hf_quant_config_format`` makes of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from ds_fpquant.checkpoint.layouts.modelopt import HF_QUANT_CONFIG, MODELOPT_METHOD, NVFP4_GROUP
+from ds_fpquant.numerics.formats import WHOLE
+
+__all__ = ["LAYOUT", "HF_QUANT_CONFIG", "NVFP4_GROUP", "check", "to_parts", "hf_quant_config", "quantization_config"]
+
+#: the ``layout=`` name of this layout
+LAYOUT = MODELOPT_METHOD
+
+#: the ModelOpt version whose export this layout follows (written as ``producer.version``)
+MODELOPT_VERSION = "0.47.0"
+
+HOLDS = "e4m3 with fp32 scales and granularity 'tensor' (FP8) or 'channel' (FP8_PER_CHANNEL_PER_TOKEN), nvfp4"
+
+
+def check(fmt: str, group_size: Optional[int], block, scale_format: str) -> str:
+    """The ``quant_algo`` of weights quantized with these settings (resolved, as a
+    :class:`~ds_fpquant.QuantizedTensor` holds them).
+
+    Raises:
+        ValueError: a combination ModelOpt's layout cannot hold (names the layout, ``fmt`` and what it holds).
+    """
+    block = tuple(block) if block else None
+    if fmt == "nvfp4":
+        return "W4A16_NVFP4"
+    if fmt == "e4m3" and scale_format == "fp32":
+        if block == (WHOLE, WHOLE):
+            return "FP8"
+        if (block or (1, group_size)) == (1, WHOLE):
+            return "FP8_PER_CHANNEL_PER_TOKEN"
+    scaling = f"block={block!r}" if block else f"group_size={group_size!r}"
+    raise ValueError(f"layout={LAYOUT!r} cannot hold fmt={fmt!r} with scale_format={scale_format!r} and {scaling}; "
+                     f"it holds {HOLDS}")
+
+
+def to_parts(qt, algo: str) -> Dict[str, torch.Tensor]:
+    """The tensors that store ``qt`` by part name (``weight``, ``weight_scale``, ``weight_scale_2``), on the CPU."""
+    if algo == "W4A16_NVFP4":
+        return {"weight": qt.codes.cpu(), "weight_scale": qt.scales.view(torch.float8_e4m3fn).cpu(),
+                "weight_scale_2": qt.tensor_scale.reshape(()).cpu()}
+    scales = qt.scales.reshape(()) if algo == "FP8" else qt.scales.reshape(qt.shape[0])
+    return {"weight": qt.codes.view(torch.float8_e4m3fn).cpu(), "weight_scale": scales.cpu()}
+
+
+def hf_quant_config(algo: str, exclude: Sequence[str]) -> Dict[str, Any]:
+    """``hf_quant_config.json``'s content."""
+    quantization: Dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None}
+    if algo == "W4A16_NVFP4":
+        quantization["group_size"] = NVFP4_GROUP
+    quantization["exclude_modules"] = list(exclude)
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": quantization}
+
+
+def quantization_config(algo: str, exclude: Sequence[str]) -> Dict[str, Any]:
+    """``config.json``'s ``quantization_config``, as ModelOpt 0.47's ``convert_hf_quant_config_format`` derives it
+    from :func:`hf_quant_config` (compressed-tensors-style ``config_groups`` for FP8 and W4A16_NVFP4)."""
+    qconfig: Dict[str, Any] = {}
+    if algo == "FP8":
+        qconfig["config_groups"] = {"group_0": {
+            "input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+            "weights": {"dynamic": False, "num_bits": 8, "type": "float"}, "targets": ["Linear"]}}
+    elif algo == "W4A16_NVFP4":
+        qconfig["config_groups"] = {"group_0": {
+            "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP},
+            "targets": ["Linear"]}}
+    qconfig.update(ignore=list(exclude), quant_algo=algo, producer=hf_quant_config(algo, exclude)["producer"],
+                   quant_method=MODELOPT_METHOD)
+    return qconfig
