@@ -15,9 +15,10 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
   ``w = q * fl(fp32(weight_scale) * weight_scale_2)``, exactly SPEC 3.4's ``fl(decode(q) * fl(decode(c) * t))``;
   ``<m>.input_scale`` fp32 0-dim (W4A4 ``NVFP4``; none for ``W4A16_NVFP4``).
 
-ds_fpquant has no static per-tensor activation path: the weights load weight-only, the ``input_scale`` values are
-kept in ``model.ds_fpquant_activation_scales`` and
-:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning` says so once per load. Registered in
+``FP8``'s ``input_scale`` is applied: the linears run static per-tensor W8A8 (SPEC 8.4) unless ``load_quantized``
+is given ``activation=None``; ``NVFP4``'s (FP4 activations) and experts' are not: those layers load weight-only and
+:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning` says so once per load. Every ``input_scale``
+is kept in ``model.ds_fpquant_activation_scales``. Registered in
 :mod:`ds_fpquant.checkpoint.layouts` under ``quant_method: "modelopt"``, and found through ``hf_quant_config.json``
 when ``config.json`` has no ``quantization_config``.
 """
@@ -166,6 +167,7 @@ def _reading(qconfig: Dict[str, Any], path: Path) -> "layouts.Reading":
         code_dtypes=("F8_E4M3",) if config["fmt"] == "e4m3" else ("U8",),
         from_parts=lambda name, parts, shape, dtype: from_parts(name, parts, shape, config, dtype)[0],
         activation_parts=("input_scale",),
+        static_input=lambda name: config["fmt"] == "e4m3" and config["static_activations"],
         # exclude_modules are fnmatch patterns; the reading's ignore list takes "re:" entries (re.match)
         ignore=tuple("re:" + fnmatch.translate(p) for p in config["exclude_modules"]))
 
