@@ -306,6 +306,18 @@ def _owner(meta, keys: CheckpointKeys, target: str):
     return meta.get_submodule(module_name), pname
 
 
+def _shared_input_scales(model: torch.nn.Module, layers) -> Dict[str, torch.Tensor]:
+    """``<m>.input_scale`` of each static W8A8 layer (0-dim fp32, on the CPU): a fused group's (q/k/v, gate/up:
+    :func:`~ds_fpquant.nn.model_walk.fused_groups`) static members all get the largest of their scales, so that
+    vLLM's fused layer, which takes the largest of its shards', changes nothing."""
+    scales = {name: model.get_submodule(name).input_scale.detach().cpu().clone() for name in layers
+              if getattr(model.get_submodule(name), "static", False)}
+    for group in fused_groups(scales):
+        shared = torch.stack([scales[name] for name in group]).max()
+        scales.update((name, shared.clone()) for name in group)
+    return scales
+
+
 def _write_quantized(writer: "ShardWriter", base: str, qt, method: str) -> None:
     """Add the tensors of ``qt`` as ``<base>.weight``, ``<base>.weight_scale_inv`` / ``.weight_scale`` / ... ."""
     for part_name, part in to_parts(qt, method).items():
@@ -405,7 +417,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     # the checkpoint's quantization_config replaces), found by the module that holds them (a layer registered
     # under a second name is the same module); every other entry is written as it is, or tied
     layer_of = {id(model.get_submodule(name)): name for name in layers}
-    layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state")
+    layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state", "input_scale")
+    input_scales = _shared_input_scales(model, layers)
     stack_of = {}
     for name in stacks:
         owner, _, pname = name.rpartition(".")
@@ -445,6 +458,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             copied += 1
         for name, (qt, bias) in layers.items():
             _write_quantized(writer, name, qt, method)
+            if name in input_scales:
+                writer.add(f"{name}.input_scale", input_scales[name])
             if bias is not None:
                 writer.add(f"{name}.bias", bias.detach().cpu())
             bytes_before += math.prod(qt.shape) * qt.dtype.itemsize
@@ -467,6 +482,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
         qconfig = quantization_config(method, layout, not_converted, [n for n in layers if linears.get(n)],
                                        str(next(iter(qts.values())).dtype).replace("torch.", ""))
+        if input_scales:  # the fp8 layout (static W8A8 takes e4m3 weights with fp32 scales only)
+            qconfig["activation_scheme"] = "static"
         write_model_config(directory, model, qconfig)
     except BaseException:
         clear_output(directory, created)
