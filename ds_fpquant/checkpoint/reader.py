@@ -44,7 +44,7 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
       ``model.ds_fpquant_activation_scales`` (as stored). Where the checkpoint says a linear's activations are
       statically quantized per tensor in FP8 (compressed-tensors ``input_activations`` ``{type: float,
       num_bits: 8, strategy: tensor, dynamic: false}``, ModelOpt ``FP8``, ``activation_scheme: "static"``), the
-      layer runs static W8A8 with its ``input_scale`` (SPEC 8.4), the largest of its fused group's (q/k/v,
+      layer runs static W8A8 with its ``input_scale`` (SPEC 8.3), the largest of its fused group's (q/k/v,
       gate/up) as vLLM takes it (:class:`~ds_fpquant.checkpoint.layouts.UnsharedInputScalesWarning` when they
       differ). Other static scales (NVFP4's: FP4 activations; experts') are not applied
       (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`, once).

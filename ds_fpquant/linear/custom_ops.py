@@ -10,7 +10,7 @@
   quantization straight through (the gradient of the weight-only op).
 - ``ds_fpquant::static_w8a8_linear(x, codes, scales, tensor_scale, bias, input_scale, in_features, fmt,
   group_size, block, scale_format, backend)``: :func:`ds_fpquant.linear.linear` with ``activation="e4m3"`` and
-  an ``input_scale`` (static per-tensor W8A8, SPEC 8.4); backward as ``w8a8_linear``'s (straight through).
+  an ``input_scale`` (static per-tensor W8A8, SPEC 8.3); backward as ``w8a8_linear``'s (straight through).
 - ``ds_fpquant::dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block,
   scale_format, dtype, backend) -> Tensor``: :func:`ds_fpquant.dequantize` of a 2-D weight.
 
@@ -115,7 +115,7 @@ def static_w8a8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
                           tensor_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], input_scale: torch.Tensor,
                           in_features: int, fmt: str, group_size: int, block: Optional[List[int]], scale_format: str,
                           backend: str) -> torch.Tensor:
-    """``ds_fpquant::static_w8a8_linear``: the static per-tensor W8A8 forward (SPEC 8.4)."""
+    """``ds_fpquant::static_w8a8_linear``: the static per-tensor W8A8 forward (SPEC 8.3)."""
     qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
     return static_w8a8_linear(x, qt, bias, input_scale, backend)
 

@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             weight); the bias is added in fp32 before the one rounding to ``x``'s dtype. Backward passes the
             activation quantization straight through.
         input_scale: with ``activation="e4m3"``: a 0-dim fp32 tensor ``s`` (finite, > 0, on ``x``'s device) for
-            static per-tensor W8A8 (SPEC 8.4) instead of the dynamic 1x128 groups: ``x_hat =
+            static per-tensor W8A8 (SPEC 8.3) instead of the dynamic 1x128 groups: ``x_hat =
             fl(decode(e4m3(sat(fl(x / s)))) * s)`` times any e4m3 weight with fp32 scales (per tensor, per channel,
             blocks, groups); ``torch._scaled_mm`` with a tensorwise ``scale_a`` on CUDA for one weight scale per
             tensor or per output channel, else (and on CPU) ``x_hat`` in fp32 through the weight-only formula.

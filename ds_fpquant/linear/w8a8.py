@@ -1,4 +1,4 @@
-"""W8A8 (``activation="e4m3"``, opt-in), two ways (SPEC 8.3, 8.4):
+"""W8A8 (``activation="e4m3"``, opt-in), two ways (SPEC 8.1 and 8.3):
 
 - dynamic (no ``input_scale``): activations quantized per token to e4m3 in 1x128 groups and multiplied by an e4m3
   weight with fp32 scales in 1x128 groups or (128, 128) blocks through ``torch._scaled_mm``'s blockwise FP8 GEMM
@@ -153,7 +153,7 @@ _E4M3 = get_format("e4m3")
 
 
 def static_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor):
-    """Static per-tensor e4m3 quantization of activations (SPEC 8.4): ``v = fl(x / s)`` (one fp32 division, ``x``
+    """Static per-tensor e4m3 quantization of activations (SPEC 8.3): ``v = fl(x / s)`` (one fp32 division, ``x``
     widened exactly), saturated to ``+-448`` (a finite ``x`` whose ``v`` overflows included), rounded to e4m3 to
     nearest even (SPEC 4, subnormals and the sign of zero kept); NaN and +-Inf ``x`` give the NaN code (``0x7F``,
     ``0xFF`` with the sign bit: SPEC 3.3, e4m3 has no Inf). The dequantized value is ``x_hat = fl(decode(c) * s)``.
@@ -225,7 +225,7 @@ def _scaled_mm_tensorwise(codes: torch.Tensor, input_scale: torch.Tensor, qt: Qu
 def static_w8a8_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
                        input_scale: torch.Tensor, backend: str) -> torch.Tensor:
     """The static per-tensor W8A8 forward of :func:`linear` (the body of the ``ds_fpquant::static_w8a8_linear``
-    custom op, SPEC 8.4): ``x_hat`` of :func:`static_quantize_activations` times the weight, fp32 sums, the bias
+    custom op, SPEC 8.3): ``x_hat`` of :func:`static_quantize_activations` times the weight, fp32 sums, the bias
     added in fp32, one rounding to ``x``'s dtype. On CUDA ``torch._scaled_mm`` (tensorwise / rowwise scales) where
     it runs; elsewhere (CPU, groups or blocks of weight scales) ``x_hat`` in fp32 through the weight-only linear
     (SPEC 8.1)."""

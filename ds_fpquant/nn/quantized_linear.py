@@ -31,7 +31,7 @@ class FPQuantizedLinear(torch.nn.Module):
     scales' bytes, or the E8M0 / e4m3 scale bytes) and, for NVFP4, ``weight_tensor_scale`` (uint8, the
     fp32 tensor scale's 4 bytes); ``bias`` stays a floating parameter.
 
-    Static per-tensor W8A8 (``activation="e4m3"`` with ``input_scale``, SPEC 8.4): the activation scale is the
+    Static per-tensor W8A8 (``activation="e4m3"`` with ``input_scale``, SPEC 8.3): the activation scale is the
     buffer ``input_scale``, a 0-dim fp32 tensor in the state dict; ``model.half()`` / ``.to(dtype)`` keep it fp32
     (a device move takes it along).
     """

@@ -21,7 +21,7 @@ Formats read (per ``config_groups`` entry, ``weights`` of ``type: "float"``, ``s
 ``input_scale`` / ``input_global_scale`` (static activation quantization) are recorded on the model; a group whose
 ``input_activations`` are static per-tensor FP8 (``type: "float"``, ``num_bits: 8``, ``strategy: "tensor"``,
 ``dynamic: false``, symmetric: the ``FP8`` preset) has its linears run static W8A8 with their ``input_scale``
-(SPEC 8.4); others (NVFP4's ``input_global_scale``) are not applied
+(SPEC 8.3); others (NVFP4's ``input_global_scale``) are not applied
 (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`). Refused with a
 ``ValueError``: integer schemes, asymmetric weights (zero points), dynamic weights, other formats
 (``pack-quantized``, ``int-quantized``, ``mxfp6-pack-quantized``, sparse ones), ``kv_cache_scheme``,

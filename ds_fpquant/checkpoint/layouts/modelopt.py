@@ -15,7 +15,7 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
   ``w = q * fl(fp32(weight_scale) * weight_scale_2)``, exactly SPEC 3.4's ``fl(decode(q) * fl(decode(c) * t))``;
   ``<m>.input_scale`` fp32 0-dim (W4A4 ``NVFP4``; none for ``W4A16_NVFP4``).
 
-``FP8``'s ``input_scale`` is applied: the linears run static per-tensor W8A8 (SPEC 8.4) unless ``load_quantized``
+``FP8``'s ``input_scale`` is applied: the linears run static per-tensor W8A8 (SPEC 8.3) unless ``load_quantized``
 is given ``activation=None``; ``NVFP4``'s (FP4 activations) and experts' are not: those layers load weight-only and
 :class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning` says so once per load. Every ``input_scale``
 is kept in ``model.ds_fpquant_activation_scales``. Registered in

@@ -4,7 +4,7 @@ FP8 of AutoFP8 and transformers' older FP8 checkpoints (no ``weight_block_size``
 
 AutoFP8 per-tensor FP8 (read only): ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` one
 fp32 multiplier (``()`` or ``(1,)``; bf16 / fp16 widen exactly), ``w = fp32(weight) * weight_scale``;
-``<m>.input_scale`` (``activation_scheme: "static"``): the linears run static per-tensor W8A8 with it (SPEC 8.4).
+``<m>.input_scale`` (``activation_scheme: "static"``): the linears run static per-tensor W8A8 with it (SPEC 8.3).
 Read as one block ``(N, K)`` per matrix.
 
 Block FP8 as ds_fpquant writes it may carry ``<m>.input_scale`` too (``activation_scheme: "static"``, from layers

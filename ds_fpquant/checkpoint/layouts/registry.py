@@ -52,7 +52,7 @@ class Reading:
             (:class:`StaticActivationScalesWarning`).
         static_input: ``name -> bool``: whether module ``name``'s ``input_scale`` is a static per-tensor FP8
             activation scale (the checkpoint says its activations are quantized that way): the loaded layer then
-            runs static W8A8 with it (SPEC 8.4).
+            runs static W8A8 with it (SPEC 8.3).
         ignore: module names the checkpoint says it did not quantize (exact names; ``re:<regex>`` entries
             match with ``re.match``, as compressed-tensors writes them); a quantized weight among them is a
             ``ValueError``.

@@ -1,5 +1,5 @@
 """Issue 29: checkpoints whose activations are statically quantized per tensor in FP8 load as static W8A8 layers
-(SPEC 8.4): compressed-tensors ``FP8`` (written by compressed-tensors 0.20.1 itself; its own ``quantize`` /
+(SPEC 8.3): compressed-tensors ``FP8`` (written by compressed-tensors 0.20.1 itself; its own ``quantize`` /
 ``dequantize`` of the activations is the oracle for the codes and ``x_hat``), ModelOpt ``FP8`` (exported by
 nvidia-modelopt 0.47 itself; its input quantizer's output is compared within the derived difference of its
 reciprocal scaling) and a hand-built AutoFP8 checkpoint; ``activation=None`` loads them weight-only; a static
@@ -116,7 +116,7 @@ export = pytest.importorskip("modelopt.torch.export")
 
 def test_modelopt_fp8_static_input_scales_are_applied(tmp_path):
     """ModelOpt's quantizer fake-quantizes ``x`` as ``e4m3(x * fl(448 / amax)) * fl(1 / fl(448 / amax))`` (its
-    ``_fp8_eager``); the exported ``input_scale`` is ``s = fl(amax / 448)`` and SPEC 8.4 divides by it. ``x * fl(448 /
+    ``_fp8_eager``); the exported ``input_scale`` is ``s = fl(amax / 448)`` and SPEC 8.3 divides by it. ``x * fl(448 /
     amax)`` and ``fl(x / s)`` differ by at most 3 fp32 roundings (relative 2^-22 together), so the e4m3 codes agree
     except where ``x / s`` lies within that of a rounding midpoint (then they are neighbours), and the dequantized
     values, where the codes agree, within 2 roundings plus the scales' (2^-21 relative)."""

@@ -1,4 +1,4 @@
-"""Static per-tensor W8A8 (SPEC 8.4): ``linear(x, qt, bias, activation="e4m3", input_scale=s)``. The activation
+"""Static per-tensor W8A8 (SPEC 8.3): ``linear(x, qt, bias, activation="e4m3", input_scale=s)``. The activation
 quantization is checked bit for bit against an oracle written from the convention with ml_dtypes (``fl(x / s)`` in
 numpy fp32, saturated to +-448, ml_dtypes' RNE cast to ``float8_e4m3fn``; NaN and +-Inf give the NaN code), the
 linear against the fp64 product of those activations and the exact weight within SPEC 8.2's bound."""
