@@ -201,3 +201,24 @@ def test_compiled_layer_and_backward():
     layer(xs).sum().backward()
     linear(xw, layer.quantized_weight, layer.bias).sum().backward()
     assert torch.equal(xs.grad, xw.grad)
+
+
+def test_static_opcheck_and_straight_through_backward():
+    from ds_fpquant.linear import custom_ops
+
+    qt = fpq.quantize(torch.randn(48, 256, generator=torch.Generator().manual_seed(2)), "e4m3", granularity="channel")
+    codes, scales, tensor_scale, k, f, g, block, scale_format = custom_ops.as_op_args(qt)
+    x = torch.randn(2, 3, 256, requires_grad=True)
+    bias = torch.randn(48, requires_grad=True)
+    s = torch.tensor(0.02)
+    args = (x, codes, scales, tensor_scale, bias, s, k, f, g, block, scale_format, "auto")
+    torch.library.opcheck(torch.ops.ds_fpquant.static_w8a8_linear.default, args)
+    y = torch.ops.ds_fpquant.static_w8a8_linear(*args)
+    assert torch.equal(y, linear(x, qt, bias, activation="e4m3", input_scale=s))  # linear() calls this op
+    y.sum().backward()
+    # the gradient of x is ones @ dequantize(qt): straight through the activation quantization
+    w = fpq.dequantize(qt, torch.float32).double()
+    exact = torch.ones(6, 48).double() @ w
+    tol = 2 * 48 * 2.0**-24 * (torch.ones(6, 48).double() @ w.abs())
+    assert bool(((x.grad.reshape(6, 256).double() - exact).abs() <= tol).all())
+    assert torch.equal(bias.grad, torch.full((48,), 6.0))  # a sum of six ones: exact in any order
