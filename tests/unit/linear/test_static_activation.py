@@ -222,3 +222,30 @@ def test_static_opcheck_and_straight_through_backward():
     tol = 2 * 48 * 2.0**-24 * (torch.ones(6, 48).double() @ w.abs())
     assert bool(((x.grad.reshape(6, 256).double() - exact).abs() <= tol).all())
     assert torch.equal(bias.grad, torch.full((48,), 6.0))  # a sum of six ones: exact in any order
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_scaled_mm_arguments_hold_the_same_math(granularity):
+    """The ``torch._scaled_mm`` call the CUDA path makes (tensorwise ``scale_a``; tensorwise or rowwise
+    ``scale_b``), run where this torch has it on the CPU: ``s * w_s * sum(decode(c) * decode(q))`` in fp32, within
+    SPEC 8.2's bound of the fp64 product of the exact activations ``decode(c) * s`` and the exact weight (exact
+    products, K - 1 additions, at most two scale multiplications: K + 1 <= K + 2 roundings)."""
+    from ds_fpquant.linear import w8a8
+    from ds_fpquant.numerics.codec import decode
+    from ds_fpquant.numerics.formats import get_format
+
+    g = torch.Generator().manual_seed(5)
+    qt = fpq.quantize(torch.randn(48, 256, generator=g), "e4m3", granularity=granularity)
+    x, s = torch.randn(7, 256, generator=g) * 4, torch.tensor(0.013)
+    codes, _ = static_quantize_activations(x, s)
+    try:
+        torch._scaled_mm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
+                         scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"this torch has no CPU _scaled_mm: {exc}")
+    y = w8a8._scaled_mm_tensorwise(codes, s, qt)
+    assert y is not None and y.dtype == torch.float32
+    x_exact = decode(codes.long(), get_format("e4m3")).double() * s.double()
+    w = exact_weight(qt)
+    ref, size = x_exact @ w.T, x_exact.abs() @ w.abs().T
+    assert bool(((y.double() - ref).abs() <= 2 * (256 + 2) * 2.0**-24 * size).all())
