@@ -354,7 +354,9 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     ``engine.module`` at tp=1, or :func:`load_quantized`) as the checkpoint :func:`quantize_checkpoint`
     would write for it: codes and scales as they are (nothing is quantized again), expert stacks under
     the per-expert keys the model is released with, ``config.json`` with ``quantization_config``.
-    ``model.save_pretrained(directory)`` of a quantized model calls this.
+    ``model.save_pretrained(directory)`` of a quantized model calls this. Static W8A8 layers (an ``input_scale``,
+    SPEC 8.3) add ``<m>.input_scale`` (fp32, 0-dim; a fused group's, q/k/v or gate/up, shared: the largest, so
+    vLLM's max of the shards changes nothing) and ``activation_scheme: "static"``.
 
     Args:
         model: a transformers ``PreTrainedModel`` with quantized layers, all with one format and scaling
