@@ -17,14 +17,19 @@ from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, 
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts
-from ds_fpquant.nn.model_walk import linear_modules, shared_scale_groups
+from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
 from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import join_rows, nvfp4_beside_e2m1
 
-__all__ = ["load_quantized"]
+__all__ = ["load_quantized", "CHECKPOINT_ACTIVATION"]
+
+#: ``load_quantized(activation=...)``'s default: activations as the checkpoint says (static per-tensor FP8 input
+#: scales applied); ``None``: weight-only.
+CHECKPOINT_ACTIVATION = "checkpoint"
+
 
 def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str = "auto",
-                   compute_dtype: Optional[str] = None):
+                   compute_dtype: Optional[str] = None, activation: Optional[str] = CHECKPOINT_ACTIVATION):
     """Build a quantized transformers model from a checkpoint directory, with
     :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` layers and quantized expert stacks: no full-precision copy of
     the model is ever held (the module tree is built on the meta device and every tensor is assigned as it
@@ -35,8 +40,13 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
       :mod:`ds_fpquant.checkpoint.layouts`: block FP8 (``quant_method: "fp8"`` with ``weight_block_size``,
       DeepSeek-V3 style), per-tensor FP8 (``"fp8"`` without it, AutoFP8), compressed-tensors
       (``"compressed-tensors"``: FP8 per tensor / channel / block / group, NVFP4, MXFP4, MXFP8), bit-identical
-      to those tools' dequantization (``docs/checkpoints.md``). Static activation scales (``input_scale``)
-      are recorded in ``model.ds_fpquant_activation_scales`` and not applied
+      to those tools' dequantization (``docs/checkpoints.md``). Static activation scales are recorded in
+      ``model.ds_fpquant_activation_scales`` (as stored). Where the checkpoint says a linear's activations are
+      statically quantized per tensor in FP8 (compressed-tensors ``input_activations`` ``{type: float,
+      num_bits: 8, strategy: tensor, dynamic: false}``, ModelOpt ``FP8``, ``activation_scheme: "static"``), the
+      layer runs static W8A8 with its ``input_scale`` (SPEC 8.3), the largest of its fused group's (q/k/v,
+      gate/up) as vLLM takes it (:class:`~ds_fpquant.checkpoint.layouts.UnsharedInputScalesWarning` when they
+      differ). Other static scales (NVFP4's: FP4 activations; experts') are not applied
       (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`, once).
     - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
       read once; a linear or expert weight the settings select is quantized as it is read, everything else
@@ -52,6 +62,9 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         model_class: the transformers class to build; default: ``config.architectures[0]``.
         backend, compute_dtype: as for :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` (quantized
             checkpoints; with ``fp_quantization`` the section's own apply).
+        activation: quantized checkpoints: ``"checkpoint"`` (default: static per-tensor FP8 input scales applied
+            where the checkpoint says so) or ``None`` (every layer weight-only; the scales still recorded).
+            With ``fp_quantization`` the section's own ``activation`` applies.
 
     Returns:
         the model on the CPU in eval mode (move it with ``.to(device)``).
@@ -64,7 +77,10 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     """
     from ds_fpquant.nn.model_walk import parent_module
     from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+    from ds_fpquant.numerics import checks
 
+    if activation is not None:
+        checks.check_choice("activation", activation, (CHECKPOINT_ACTIVATION,))
     path = model_dir(path, "path")
     hf_config = read_config(path)
     if fp_quantization is not None:
@@ -121,6 +137,7 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         raise ValueError(f"these expert parameters are stored both per expert and as a stack: {twice}")
     biases = {keys.module(key, ".bias", linears): key for key in state}
     transposed = set(own.get("transposed", ()))
+    static = _static_input_scales(parts, activation_scales, reading) if activation == CHECKPOINT_ACTIVATION else {}
     for name, tensors in parts.items():
         module = model.get_submodule(name)
         if linears[name] and name not in transposed:
@@ -135,7 +152,12 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         if bias is not None and tuple(bias.shape) != (shape[0],):
             raise ValueError(f"{name}.bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
         parent, child = parent_module(model, name)
-        setattr(parent, child, FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend))
+        try:
+            layer = FPQuantizedLinear(qt, bias, compute_dtype=compute_dtype, backend=backend,
+                                      activation="e4m3" if name in static else None, input_scale=static.get(name))
+        except ValueError as exc:  # a static input scale with a weight the static W8A8 path does not take
+            raise ValueError(f"{name}: {exc}; load_quantized(path, activation=None) loads it weight-only") from None
+        setattr(parent, child, layer)
     for target, by_part in expert_parts.items():
         _load_expert_parts(model, keys, target, by_part, reading, dtype, state, backend, compute_dtype)
     for target, tensors in fused.items():
@@ -144,12 +166,33 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     enable_save_pretrained(model)
     if activation_scales:
         model.ds_fpquant_activation_scales = activation_scales
+    # what the checkpoint quantizes statically and ds_fpquant does not apply (activation=None opts out of the rest)
+    unapplied = {owner: scales for owner, scales in activation_scales.items()
+                 if not (owner in parts and set(scales) == {"input_scale"} and reading.static_input(owner))}
+    if unapplied:
         warnings.warn(layouts.StaticActivationScalesWarning(
-            f"the checkpoint stores static activation scales ({', '.join(sorted({p for a in activation_scales.values() for p in a}))}) "
-            f"for {len(activation_scales)} weights; ds_fpquant does not apply them (static activation quantization is "
-            f"not implemented): the layers run weight-only. They are kept in model.ds_fpquant_activation_scales"),
-            stacklevel=2)
+            f"the checkpoint stores static activation scales ({', '.join(sorted({p for a in unapplied.values() for p in a}))}) "
+            f"for {len(unapplied)} weights that ds_fpquant does not apply (it applies static per-tensor FP8 input "
+            f"scales of linears only; not FP4 activations or expert stacks): those layers run weight-only. They are "
+            f"kept in model.ds_fpquant_activation_scales"), stacklevel=2)
     return model.eval()
+
+
+def _static_input_scales(parts, activation_scales, reading) -> Dict[str, torch.Tensor]:
+    """Module name -> the 0-dim fp32 ``input_scale`` its layer applies (static per-tensor W8A8): the quantized linears
+    whose checkpoint scheme quantizes activations statically per tensor in FP8 (``reading.static_input``). Linears
+    that vLLM fuses (q/k/v, gate/up) get the largest of their group's scales, as vLLM's fused layer does."""
+    static = {name: layouts.input_scale_value(name, activation_scales[name]["input_scale"]) for name in parts
+              if "input_scale" in activation_scales.get(name, {}) and reading.static_input(name)}
+    for group in fused_groups(static):
+        values = [static[name] for name in group]
+        shared = torch.stack(values).max()
+        if any(not torch.equal(v, shared) for v in values):
+            warnings.warn(layouts.UnsharedInputScalesWarning(
+                f"{list(group)} have different static input_scale values ({[v.item() for v in values]}); each runs "
+                f"with the largest, {shared.item()!r}, as vLLM's fused layer does"), stacklevel=3)
+        static.update((name, shared.clone()) for name in group)
+    return static
 
 
 def _place(key: str, quantized, linears, keys: CheckpointKeys, reading):

@@ -107,6 +107,30 @@ class _Layout:
                              f"in_features are not a multiple of {group}: {partial} (exclude them, or write "
                              f"layout='ds_fpquant')")
 
+    def check_static(self, static: Sequence[str], quantized: Sequence[str]) -> None:
+        """``ValueError`` unless the layout can describe the static per-tensor FP8 input scales of the layers
+        ``static`` (SPEC 8.3) among the ``quantized`` ones: the fp8 layout any (``activation_scheme: "static"``, per
+        layer with an ``input_scale``); compressed-tensors and ModelOpt one scheme for all (``input_activations``
+        static per tensor; ModelOpt's ``FP8``, per-tensor weights); ds_fpquant's layout none."""
+        if not static or self.method == FP8_METHOD:
+            return
+        fix = "load the model with activation=None for weight-only layers, or write layout='fp8'"
+        if self.method == OWN_METHOD:
+            raise ValueError(f"layout={self.method!r} has no static activation scales; these layers have one: "
+                             f"{list(static)} ({fix})")
+        if self.method == modelopt_write.LAYOUT and self.info != "FP8":
+            raise ValueError(f"layout={self.method!r} {self.info} quantizes activations dynamically; these layers have "
+                             f"static input scales: {list(static)} (ModelOpt's static FP8 is 'FP8': granularity='tensor'"
+                             f" weights; or {fix})")
+        dynamic = [name for name in quantized if name not in set(static)]
+        if dynamic:
+            raise ValueError(f"layout={self.method!r} describes one activation scheme for every quantized linear; these "
+                             f"have static input scales and these do not: {list(static)} / {dynamic} ({fix})")
+
+    def input_scale_part(self, scale: torch.Tensor) -> torch.Tensor:
+        """``<m>.input_scale`` as the layout stores it: 0-dim fp32 (fp8, ModelOpt), ``(1,)`` (compressed-tensors)."""
+        return scale.reshape(1) if self.method == ct_write.LAYOUT else scale.reshape(())
+
     def parts(self, qt, base: str) -> Dict[str, torch.Tensor]:
         """The tensors that store ``qt`` (the weight of ``base``) by part name."""
         if self.method == ct_write.LAYOUT:
@@ -116,16 +140,19 @@ class _Layout:
         return to_parts(qt, self.method)
 
     def qconfig(self, layout: Dict[str, Any], not_converted: List[str], linears, transposed: List[str],
-                weight_dtype: str) -> Dict[str, Any]:
+                weight_dtype: str, static: bool = False) -> Dict[str, Any]:
         """``config.json``'s ``quantization_config`` (``not_converted``: the linears and expert parameters left in
         full precision; ``linears``: the model's linear module names, the other tools list only those)."""
         kept_linears = [name for name in not_converted if name in linears]
         if self.method == ct_write.LAYOUT:
             ct_write.warn_inexact(self.inexact, stacklevel=4)
-            return ct_write.quantization_config(self.info, kept_linears)
+            return ct_write.quantization_config(self.info, kept_linears, static=static)
         if self.method == modelopt_write.LAYOUT:
             return modelopt_write.quantization_config(self.info, kept_linears)
-        return quantization_config(self.method, layout, not_converted, transposed, weight_dtype)
+        qconfig = quantization_config(self.method, layout, not_converted, transposed, weight_dtype)
+        if static:  # the fp8 layout: layers with an <m>.input_scale run static W8A8 (SPEC 8.3)
+            qconfig["activation_scheme"] = "static"
+        return qconfig
 
     def write_files(self, directory, qconfig: Dict[str, Any]) -> None:
         """The layout's files besides ``config.json`` (ModelOpt: ``hf_quant_config.json``)."""
@@ -406,6 +433,18 @@ def _owner(meta, keys: CheckpointKeys, target: str):
     return meta.get_submodule(module_name), pname
 
 
+def _shared_input_scales(model: torch.nn.Module, layers) -> Dict[str, torch.Tensor]:
+    """``<m>.input_scale`` of each static W8A8 layer (0-dim fp32, on the CPU): a fused group's (q/k/v, gate/up:
+    :func:`~ds_fpquant.nn.model_walk.fused_groups`) static members all get the largest of their scales, so that
+    vLLM's fused layer, which takes the largest of its shards', changes nothing."""
+    scales = {name: model.get_submodule(name).input_scale.detach().cpu().clone() for name in layers
+              if getattr(model.get_submodule(name), "static", False)}
+    for group in fused_groups(scales):
+        shared = torch.stack([scales[name] for name in group]).max()
+        scales.update((name, shared.clone()) for name in group)
+    return scales
+
+
 def _write_quantized(writer: "ShardWriter", base: str, qt, writing: _Layout) -> None:
     """Add the tensors of ``qt`` as ``<base>.weight``, ``<base>.weight_scale_inv`` / ``.weight_scale`` / ... ."""
     for part_name, part in writing.parts(qt, base).items():
@@ -442,7 +481,9 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     ``engine.module`` at tp=1, or :func:`load_quantized`) as the checkpoint :func:`quantize_checkpoint`
     would write for it: codes and scales as they are (nothing is quantized again), expert stacks under
     the per-expert keys the model is released with, ``config.json`` with ``quantization_config``.
-    ``model.save_pretrained(directory)`` of a quantized model calls this.
+    ``model.save_pretrained(directory)`` of a quantized model calls this. Static W8A8 layers (an ``input_scale``,
+    SPEC 8.3) add ``<m>.input_scale`` (fp32, 0-dim; a fused group's, q/k/v or gate/up, shared: the largest, so
+    vLLM's max of the shards changes nothing) and ``activation_scheme: "static"``.
 
     Args:
         model: a transformers ``PreTrainedModel`` with quantized layers, all with one format and scaling
@@ -511,7 +552,9 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     # the checkpoint's quantization_config replaces), found by the module that holds them (a layer registered
     # under a second name is the same module); every other entry is written as it is, or tied
     layer_of = {id(model.get_submodule(name)): name for name in layers}
-    layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state")
+    layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state", "input_scale")
+    input_scales = _shared_input_scales(model, layers)
+    writing.check_static(list(input_scales), list(layers))
     stack_of = {}
     for name in stacks:
         owner, _, pname = name.rpartition(".")
@@ -551,6 +594,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             copied += 1
         for name, (qt, bias) in layers.items():
             _write_quantized(writer, name, qt, writing)
+            if name in input_scales:
+                writer.add(f"{name}.input_scale", writing.input_scale_part(input_scales[name]))
             if bias is not None:
                 writer.add(f"{name}.bias", bias.detach().cpu())
             bytes_before += math.prod(qt.shape) * qt.dtype.itemsize
@@ -573,7 +618,7 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
                      "scale_format": scale_format}
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
         qconfig = writing.qconfig(described, not_converted, linears, [n for n in layers if linears.get(n)],
-                                  str(next(iter(qts.values())).dtype).replace("torch.", ""))
+                                  str(next(iter(qts.values())).dtype).replace("torch.", ""), static=bool(input_scales))
         write_model_config(directory, model, qconfig)
         writing.write_files(directory, qconfig)
     except BaseException:

@@ -59,6 +59,9 @@ def shard_stand_ins(model: torch.nn.Module, layers: Dict[int, FPQuantizedLinear]
                              f"of the weight; a pre-quantized weight can be sharded for LinearLayer and "
                              f"LinearAllreduce only (quantize after sharding: ds_fpquant.init_inference with the "
                              f"full-precision model)")
+        if getattr(source, "static", False):
+            raise ValueError(f"{name}: a static W8A8 layer (FPQuantizedLinear with an input_scale) is not sharded by "
+                             f"AutoTP yet; load the checkpoint with load_quantized(path, activation=None), or run at tp=1")
         sizes, rank = module._partition_sizes, module.tp_index
         start = sum(sizes[:rank])
         qt = source.quantized_weight

@@ -8,6 +8,9 @@
 - ``ds_fpquant::w8a8_linear(...)``: the same arguments, :func:`ds_fpquant.linear.linear` with
   ``activation="e4m3"`` (W8A8: x quantized per token to e4m3); its backward passes the activation
   quantization straight through (the gradient of the weight-only op).
+- ``ds_fpquant::static_w8a8_linear(x, codes, scales, tensor_scale, bias, input_scale, in_features, fmt,
+  group_size, block, scale_format, backend)``: :func:`ds_fpquant.linear.linear` with ``activation="e4m3"`` and
+  an ``input_scale`` (static per-tensor W8A8, SPEC 8.3); backward as ``w8a8_linear``'s (straight through).
 - ``ds_fpquant::dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block,
   scale_format, dtype, backend) -> Tensor``: :func:`ds_fpquant.dequantize` of a 2-D weight.
 
@@ -23,12 +26,12 @@ from typing import List, Optional
 
 import torch
 
-from ds_fpquant.linear.w8a8 import w8a8_linear
+from ds_fpquant.linear.w8a8 import static_w8a8_linear, w8a8_linear
 from ds_fpquant.linear.weight_only import weight_only_linear
 from ds_fpquant.tensor.quantize import dequantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["linear_op", "w8a8_linear_op", "dequantize_weight", "as_op_args"]
+__all__ = ["linear_op", "w8a8_linear_op", "static_w8a8_linear_op", "dequantize_weight", "as_op_args"]
 
 
 def _weight(codes, scales, tensor_scale, in_features: int, fmt: str, group_size: int, block, scale_format: str,
@@ -105,3 +108,32 @@ def _linear_op(name: str, body):
 linear_op = _linear_op("linear", weight_only_linear)
 #: ``ds_fpquant::w8a8_linear``: the W8A8 forward.
 w8a8_linear_op = _linear_op("w8a8_linear", w8a8_linear)
+
+
+@torch.library.custom_op("ds_fpquant::static_w8a8_linear", mutates_args=())
+def static_w8a8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                          tensor_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], input_scale: torch.Tensor,
+                          in_features: int, fmt: str, group_size: int, block: Optional[List[int]], scale_format: str,
+                          backend: str) -> torch.Tensor:
+    """``ds_fpquant::static_w8a8_linear``: the static per-tensor W8A8 forward (SPEC 8.3)."""
+    qt = _weight(codes, scales, tensor_scale, in_features, fmt, group_size, block, scale_format, x.dtype)
+    return static_w8a8_linear(x, qt, bias, input_scale, backend)
+
+
+@static_w8a8_linear_op.register_fake
+def _static_w8a8_linear_fake(x, codes, scales, tensor_scale, bias, input_scale, in_features, fmt, group_size, block,
+                             scale_format, backend):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _static_setup(ctx, inputs, output):
+    x, codes, scales, tensor_scale, bias, input_scale, *rest = inputs
+    _linear_setup(ctx, (x, codes, scales, tensor_scale, bias, *rest), output)
+
+
+def _static_backward(ctx, grad_y):
+    grads = _linear_backward(ctx, grad_y)  # the activation quantization passes the gradient straight through
+    return (*grads[:5], None, *grads[5:])
+
+
+static_w8a8_linear_op.register_autograd(_static_backward, setup_context=_static_setup)

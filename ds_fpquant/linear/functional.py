@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ds_fpquant.linear.custom_ops import linear_op, w8a8_linear_op
-from ds_fpquant.linear.w8a8 import check_activation, w8a8_linear
+from ds_fpquant.linear.custom_ops import linear_op, static_w8a8_linear_op, w8a8_linear_op
+from ds_fpquant.linear.w8a8 import check_activation, static_w8a8_linear, w8a8_linear
 from ds_fpquant.linear.weight_only import weight_only_linear
 from ds_fpquant.numerics import checks
 from ds_fpquant.numerics.choices import BACKENDS
@@ -39,7 +39,8 @@ def _check(x, qt, bias, backend) -> None:
 
 
 def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           backend: str = "auto", activation: Optional[str] = None) -> torch.Tensor:
+           backend: str = "auto", activation: Optional[str] = None,
+           input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The quantized linear, weight decoded on the fly (SPEC 8.1): weight-only,
     ``y[m, n] = sum_g s[n, g] * (sum_{j in g} x[m, j] * decode(q[n, j])) + bias[n]`` in fp32, one rounding
     to ``x``'s dtype; within SPEC 8.2's bound of the fp64 ``x @ dequantize(qt, fp64)^T + bias``.
@@ -61,6 +62,11 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             blockwise FP8 GEMM on sm_90+; elsewhere the same math in fp32 (dequantized activations times the
             weight); the bias is added in fp32 before the one rounding to ``x``'s dtype. Backward passes the
             activation quantization straight through.
+        input_scale: with ``activation="e4m3"``: a 0-dim fp32 tensor ``s`` (finite, > 0, on ``x``'s device) for
+            static per-tensor W8A8 (SPEC 8.3) instead of the dynamic 1x128 groups: ``x_hat =
+            fl(decode(e4m3(sat(fl(x / s)))) * s)`` times any e4m3 weight with fp32 scales (per tensor, per channel,
+            blocks, groups); ``torch._scaled_mm`` with a tensorwise ``scale_a`` on CUDA for one weight scale per
+            tensor or per output channel, else (and on CPU) ``x_hat`` in fp32 through the weight-only formula.
 
     Returns:
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
@@ -69,11 +75,18 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
         (subnormals, about 1e-38) as zero, as torch's bf16 ``F.linear`` on such a CPU does.
 
     Raises:
-        TypeError, ValueError: ``x``, ``qt`` or ``bias`` of the wrong type, dtype, shape or device.
+        TypeError, ValueError: ``x``, ``qt``, ``bias`` or ``input_scale`` of the wrong type, dtype, shape or
+            device; an ``input_scale`` without ``activation="e4m3"``.
     """
     _check(x, qt, bias, backend)
-    check_activation(activation, qt)
+    check_activation(activation, qt, input_scale)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if input_scale is not None:
+        checks.check_device("input_scale", input_scale, x.device)
+        if not needs_grad and not torch.compiler.is_compiling():
+            return static_w8a8_linear(x, qt, bias, input_scale, backend)
+        return static_w8a8_linear_op(x, qt.codes, qt.scales, qt.tensor_scale, bias, input_scale, qt.shape[1], qt.fmt,
+                                     qt.group_size, list(qt.block) if qt.block else None, qt.scale_format, backend)
     if not needs_grad and not torch.compiler.is_compiling():  # eager inference: the op's body, no dispatcher
         return weight_only_linear(x, qt, bias, backend) if activation is None else w8a8_linear(x, qt, bias, backend)
     # the custom ops ds_fpquant::linear / ds_fpquant::w8a8_linear: torch.compile and torch.export trace them; autograd

@@ -2,7 +2,7 @@
 
 A layout turns a checkpoint's ``quantization_config`` into a :class:`Reading`: which tensor suffixes belong
 to a quantized weight, which ``.weight`` dtypes mark one, which modules the checkpoint says it left
-unquantized, which parts are activation scales (recorded, not applied), and how one weight's tensors become
+unquantized, which parts are activation scales (recorded; static per-tensor FP8 ones applied), and how one weight's tensors become
 a :class:`~ds_fpquant.QuantizedTensor`. The reader (``ds_fpquant/checkpoint/reader.py``) knows nothing else
 about layouts.
 
@@ -15,12 +15,14 @@ from ds_fpquant.checkpoint.layouts import compressed_tensors, modelopt, native  
 from ds_fpquant.checkpoint.layouts.registry import (
     Reading,
     StaticActivationScalesWarning,
+    UnsharedInputScalesWarning,
     find_qconfig,
     ignore_matches,
+    input_scale_value,
     reading_for,
     register,
     register_config_finder,
 )
 
-__all__ = ["Reading", "StaticActivationScalesWarning", "register", "register_config_finder", "reading_for",
-           "find_qconfig", "ignore_matches"]
+__all__ = ["Reading", "StaticActivationScalesWarning", "UnsharedInputScalesWarning", "register", "register_config_finder", "reading_for",
+           "find_qconfig", "ignore_matches", "input_scale_value"]

@@ -22,8 +22,11 @@ Formats read (per ``config_groups`` entry, ``weights`` of ``type: "float"``, ``s
   ``fl(decode(c) * t) == fl(decode(c) / g)`` for every group scale code the weight uses (bit-exact), else as
   ``e2m1`` row groups of 16 with the fp32 scales ``fl(decode(c) / g)`` (bit-exact too; 4-byte scales).
 
-``input_scale`` / ``input_global_scale`` (static activation quantization) are recorded on the model and not
-applied (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`). Refused with a
+``input_scale`` / ``input_global_scale`` (static activation quantization) are recorded on the model; a group whose
+``input_activations`` are static per-tensor FP8 (``type: "float"``, ``num_bits: 8``, ``strategy: "tensor"``,
+``dynamic: false``, symmetric: the ``FP8`` preset) has its linears run static W8A8 with their ``input_scale``
+(SPEC 8.3); others (NVFP4's ``input_global_scale``) are not applied
+(:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`). Refused with a
 ``ValueError``: integer schemes, asymmetric weights (zero points), dynamic weights, other formats
 (``pack-quantized``, ``int-quantized``, sparse ones), ``kv_cache_scheme``,
 ``transform_config``, ``sparsity_config``, and checkpoints not in ``quantization_status: "compressed"``.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -128,8 +131,17 @@ def _check(qconfig: Dict[str, Any], path: Path):
             raise ValueError(f"{gwhere}.targets={targets!r} must be a non-empty list of names")
         if group.get("output_activations"):
             raise ValueError(f"{gwhere}.output_activations={group['output_activations']!r}: not supported")
-        checked_groups.append((gname, targets, fmt, _check_args(group.get("weights"), gwhere, fmt)))
+        checked_groups.append((gname, targets, fmt, _check_args(group.get("weights"), gwhere, fmt),
+                               static_fp8_input(group.get("input_activations"))))
     return checked_groups, tuple(ignore)
+
+
+def static_fp8_input(args) -> bool:
+    """Whether a scheme's ``input_activations`` are static per-tensor FP8 (``type: "float"``, ``num_bits: 8``,
+    ``strategy: "tensor"``, ``dynamic: false``, symmetric): what ds_fpquant applies as static W8A8."""
+    return (isinstance(args, dict) and args.get("type") == "float" and args.get("num_bits") == 8
+            and args.get("strategy") == "tensor" and args.get("dynamic", False) is False
+            and args.get("symmetric", True) is True)
 
 
 def _target_rank(target: str, name: str) -> Optional[int]:
@@ -144,15 +156,17 @@ def _target_rank(target: str, name: str) -> Optional[int]:
     return None
 
 
-def _scheme_for(groups, name: str) -> Tuple[str, Dict[str, Any]]:
-    ranked = sorted((rank, gname, fmt, args) for gname, targets, fmt, args in groups
+def _scheme_for(groups, name: str, with_input: bool = False):
+    """``(format, weight args)`` of the group that targets ``name`` (plus whether its activations are static
+    per-tensor FP8, ``with_input``)."""
+    ranked = sorted((rank, gname, fmt, args, static) for gname, targets, fmt, args, static in groups
                     if (rank := min((r for t in targets if (r := _target_rank(t, name)) is not None),
                                     default=None)) is not None)
     if not ranked:
         raise ValueError(f"{name}: stored quantized, but no quantization_config.config_groups entry targets it")
     if len(ranked) > 1 and ranked[0][0] == ranked[1][0]:
         raise ValueError(f"{name}: config_groups {ranked[0][1]!r} and {ranked[1][1]!r} both target it")
-    return ranked[0][2], ranked[0][3]
+    return ranked[0][2:] if with_input else (ranked[0][2], ranked[0][3])
 
 
 def _nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, shape, dtype):
@@ -231,7 +245,8 @@ def _make_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
         return checked(name, qt)
 
     return layouts.Reading(method=METHOD, own={}, suffixes=SUFFIXES, code_dtypes=("F8_E4M3",), from_parts=from_parts,
-                           activation_parts=ACTIVATION_PARTS, code_parts=("weight", "weight_packed"), ignore=ignore)
+                           activation_parts=ACTIVATION_PARTS, code_parts=("weight", "weight_packed"), ignore=ignore,
+                           static_input=lambda name: _scheme_for(groups, name, with_input=True)[2])
 
 
 layouts.register((METHOD,), _make_reading)

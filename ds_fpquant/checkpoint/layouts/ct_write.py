@@ -15,7 +15,8 @@ What is written, per quantized weight ``<m>`` (``(N, K)``), by ``format``:
 
 ``quantization_config``: one ``config_groups.group_0`` with ``targets: ["Linear"]``, the ``weights`` arguments
 (``num_bits``, ``type: "float"``, ``symmetric``, ``dynamic: false``, ``strategy`` and ``group_size`` /
-``block_structure``), no activations; ``format``, ``quantization_status: "compressed"`` and ``ignore`` (the linears
+``block_structure``), ``input_activations`` static per tensor (:data:`STATIC_INPUT`, ``<m>.input_scale`` ``(1,)``) for
+layers that run static W8A8 (SPEC 8.3) and none otherwise; ``format``, ``quantization_status: "compressed"`` and ``ignore`` (the linears
 left unquantized).
 """
 
@@ -148,11 +149,18 @@ def warn_inexact(inexact: Sequence[str], stacklevel: int = 3) -> None:
             f"{', '.join(inexact[:8])}{' ...' if len(inexact) > 8 else ''}"), stacklevel=stacklevel)
 
 
-def quantization_config(fmt_info: Dict[str, Any], not_converted: Sequence[str]) -> Dict[str, Any]:
-    """``config.json``'s ``quantization_config``: compressed-tensors' ``QuantizationConfig`` as it dumps it."""
+#: ``input_activations`` of layers with static per-tensor FP8 input scales (``<m>.input_scale`` ``(1,)``; SPEC 8.3),
+#: as compressed-tensors' ``FP8`` preset writes them
+STATIC_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+def quantization_config(fmt_info: Dict[str, Any], not_converted: Sequence[str], static: bool = False) -> Dict[str, Any]:
+    """``config.json``'s ``quantization_config``: compressed-tensors' ``QuantizationConfig`` as it dumps it; with
+    ``static``, the layers' activations are quantized statically per tensor (:data:`STATIC_INPUT`)."""
     return {"quant_method": METHOD, "format": fmt_info["format"], "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(fmt_info["weights"]),
-                                          "input_activations": None, "output_activations": None,
+                                          "input_activations": dict(STATIC_INPUT) if static else None,
+                                          "output_activations": None,
                                           "format": fmt_info["format"]}},
             "ignore": list(not_converted), "kv_cache_scheme": None, "global_compression_ratio": None,
             "producer": {"name": "ds_fpquant", "version": __version__}}

@@ -30,9 +30,10 @@ What nvidia-modelopt 0.47's ``export_hf_checkpoint`` writes (read from its sourc
   ``W4A8_MXFP4_FP8``: the same weight tensors (FP8 activations, no ``input_scale`` written by 0.47's export).
   The MX algos quantize activations dynamically (no ``input_scale``); ``K`` must be a multiple of 32.
 
-ds_fpquant has no static per-tensor activation path: the weights load weight-only, the ``input_scale`` values are
-kept in ``model.ds_fpquant_activation_scales`` and
-:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning` says so once per load. Registered in
+``FP8``'s ``input_scale`` is applied: the linears run static per-tensor W8A8 (SPEC 8.3) unless ``load_quantized``
+is given ``activation=None``; ``NVFP4``'s (FP4 activations) and experts' are not: those layers load weight-only and
+:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning` says so once per load. Every ``input_scale``
+is kept in ``model.ds_fpquant_activation_scales``. Registered in
 :mod:`ds_fpquant.checkpoint.layouts` under ``quant_method: "modelopt"``, and found through ``hf_quant_config.json``
 when ``config.json`` has no ``quantization_config``.
 """
@@ -224,6 +225,7 @@ def _reading(qconfig: Dict[str, Any], path: Path) -> "layouts.Reading":
         code_dtypes=("U8",) if config["fmt"] in ("nvfp4", "mxfp4") else ("F8_E4M3",),
         from_parts=lambda name, parts, shape, dtype: from_parts(name, parts, shape, config, dtype)[0],
         activation_parts=("input_scale",),
+        static_input=lambda name: config["fmt"] == "e4m3" and config["static_activations"],
         # exclude_modules are fnmatch patterns; the reading's ignore list takes "re:" entries (re.match)
         ignore=tuple("re:" + fnmatch.translate(p) for p in config["exclude_modules"]))
 

@@ -10,10 +10,12 @@ Per quantized weight ``<m>`` (``(N, K)``):
   ``float8_e4m3fn`` ``(N, K/16)``, ``<m>.weight_scale_2`` fp32 0-dim, the multiplier ``t`` (SPEC 3.4, exactly ModelOpt's
   ``fl(decode(q) * fl(decode(c) * t))``).
 
-No ``input_scale`` is written: ds_fpquant quantizes weights only (static activation scales need a calibration it does
-not do), so NVFP4 is the weight-only ``W4A16_NVFP4``. ModelOpt has no weight-only name for per-tensor FP8: ``FP8`` is
-written, as ModelOpt's own algo name, without ``input_scale`` (a consumer that needs static activation scales for
-``FP8`` refuses or computes them itself).
+``input_scale`` (fp32 0-dim) is written for layers that run static per-tensor W8A8 (SPEC 8.3; a model loaded from a
+checkpoint with static input scales), under ``FP8`` only (per-tensor weights: ModelOpt's static FP8); other layouts
+of static layers are refused by the writer, never dropped. ds_fpquant does not calibrate activations, so a model
+quantized here has none: NVFP4 is the weight-only ``W4A16_NVFP4``, and ``FP8`` (ModelOpt has no weight-only
+per-tensor FP8 name) is written without ``input_scale`` (a consumer that needs static activation scales for ``FP8``
+refuses or computes them itself).
 
 ``hf_quant_config.json``: ``{"producer": {"name": "modelopt", "version": ...}, "quantization": {"quant_algo",
 "kv_cache_quant_algo": null, "group_size": 16 (NVFP4), "exclude_modules"}}``; ``config.json``'s ``quantization_config``

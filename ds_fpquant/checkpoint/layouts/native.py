@@ -4,8 +4,11 @@ FP8 of AutoFP8 and transformers' older FP8 checkpoints (no ``weight_block_size``
 
 AutoFP8 per-tensor FP8 (read only): ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` one
 fp32 multiplier (``()`` or ``(1,)``; bf16 / fp16 widen exactly), ``w = fp32(weight) * weight_scale``;
-``<m>.input_scale`` (``activation_scheme: "static"``) is recorded, not applied. Read as one block ``(N, K)``
-per matrix.
+``<m>.input_scale`` (``activation_scheme: "static"``): the linears run static per-tensor W8A8 with it (SPEC 8.3).
+Read as one block ``(N, K)`` per matrix.
+
+Block FP8 as ds_fpquant writes it may carry ``<m>.input_scale`` too (``activation_scheme: "static"``, from layers
+with a static input scale): applied the same way.
 """
 
 from __future__ import annotations
@@ -33,14 +36,25 @@ def _not_converted(qconfig: Dict[str, Any], where: str):
     return tuple(entries)
 
 
+def _activation_scheme(qconfig: Dict[str, Any], where: str) -> str:
+    scheme = qconfig.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(f"{where}.activation_scheme={scheme!r}; allowed: 'static', 'dynamic'")
+    return scheme
+
+
 def _own_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
     own = check_qconfig(qconfig, path)
     method = qconfig["quant_method"]
+    where = f"{str(path / CONFIG)!r}: quantization_config"
+    fp8 = method == FP8_METHOD
+    static = fp8 and _activation_scheme(qconfig, where) == "static"
     return layouts.Reading(
-        method=method, own=own, suffixes=(".weight", *SCALE_SUFFIXES),
-        code_dtypes=("F8_E4M3", "F8_E5M2") if method == FP8_METHOD else ("U8",),
+        method=method, own=own, suffixes=(".weight", *SCALE_SUFFIXES, *((".input_scale",) if fp8 else ())),
+        code_dtypes=("F8_E4M3", "F8_E5M2") if fp8 else ("U8",),
         from_parts=lambda name, parts, shape, dtype: from_parts(name, parts, shape, qconfig, dtype),
-        ignore=_not_converted(qconfig, f"{str(path / CONFIG)!r}: quantization_config"))
+        activation_parts=("input_scale",) if fp8 else (), static_input=lambda name: static,
+        ignore=_not_converted(qconfig, where))
 
 
 def _per_tensor_fp8(name: str, parts: Dict[str, torch.Tensor], shape, dtype) -> QuantizedTensor:
@@ -63,12 +77,11 @@ def _fp8_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
     if qconfig.get("weight_block_size") is not None:
         return _own_reading(qconfig, path)
     where = f"{str(path / CONFIG)!r}: quantization_config"
-    scheme = qconfig.get("activation_scheme", "dynamic")
-    if scheme not in ("static", "dynamic"):
-        raise ValueError(f"{where}.activation_scheme={scheme!r}; allowed: 'static', 'dynamic'")
+    static = _activation_scheme(qconfig, where) == "static"
     return layouts.Reading(method=FP8_METHOD, own={}, suffixes=(".weight", ".weight_scale", ".input_scale"),
                            code_dtypes=("F8_E4M3", "F8_E5M2"), from_parts=_per_tensor_fp8,
-                           activation_parts=("input_scale",), ignore=_not_converted(qconfig, where))
+                           activation_parts=("input_scale",), static_input=lambda name: static,
+                           ignore=_not_converted(qconfig, where))
 
 
 layouts.register((FP8_METHOD,), _fp8_reading)

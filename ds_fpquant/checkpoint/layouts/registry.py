@@ -14,14 +14,21 @@ import torch
 
 from ds_fpquant.checkpoint.hf_files import CONFIG
 
-__all__ = ["Reading", "StaticActivationScalesWarning", "register", "register_config_finder", "reading_for",
+__all__ = ["Reading", "StaticActivationScalesWarning", "UnsharedInputScalesWarning", "register", "input_scale_value", "register_config_finder", "reading_for",
            "find_qconfig", "ignore_matches"]
 
 
 class StaticActivationScalesWarning(UserWarning):
-    """The checkpoint stores static activation scales (``input_scale``, ``input_global_scale``): ds_fpquant
-    loads the weights and records the scales (``model.ds_fpquant_activation_scales``) but does not apply
-    them; the layers run weight-only or with their own dynamic activation quantization."""
+    """The checkpoint stores static activation scales that ds_fpquant does not apply (NVFP4's ``input_scale`` /
+    ``input_global_scale``: FP4 activations; FP8 ``input_scale`` of expert stacks or of schemes other than static
+    per-tensor FP8): it loads the weights and records the scales (``model.ds_fpquant_activation_scales``); those
+    layers run weight-only. Static per-tensor FP8 ``input_scale`` of linears is applied (static W8A8), not warned."""
+
+
+class UnsharedInputScalesWarning(UserWarning):
+    """Linears that vLLM fuses (q/k/v, gate/up: :data:`~ds_fpquant.nn.model_walk.FUSED_LINEARS`) have different
+    static ``input_scale`` values in the checkpoint; :func:`~ds_fpquant.load_quantized` gives each the largest, as
+    vLLM does (the stored values stay in ``model.ds_fpquant_activation_scales``)."""
 
 
 @dataclass
@@ -40,8 +47,12 @@ class Reading:
             (``parts``: part name, the suffix without its dot -> tensor; ``shape``: ``(N, K)``), checked
             (``ValueError`` naming ``name``).
         code_parts: the part names that hold the codes (their first dimension is the matrix's rows).
-        activation_parts: part names that are activation scales: taken out before ``from_parts``, recorded
-            on the model, not applied (:class:`StaticActivationScalesWarning`).
+        activation_parts: part names that are activation scales: taken out before ``from_parts`` and recorded
+            on the model; applied only where ``static_input`` says so, else warned
+            (:class:`StaticActivationScalesWarning`).
+        static_input: ``name -> bool``: whether module ``name``'s ``input_scale`` is a static per-tensor FP8
+            activation scale (the checkpoint says its activations are quantized that way): the loaded layer then
+            runs static W8A8 with it (SPEC 8.3).
         ignore: module names the checkpoint says it did not quantize (exact names; ``re:<regex>`` entries
             match with ``re.match``, as compressed-tensors writes them); a quantized weight among them is a
             ``ValueError``.
@@ -58,6 +69,7 @@ class Reading:
     code_parts: Tuple[str, ...] = ("weight",)
     ignore: Tuple[str, ...] = ()
     stack_suffixes: Dict[str, str] = field(default_factory=dict)
+    static_input: Callable[[str], bool] = lambda name: False
 
     def __post_init__(self):
         if not self.stack_suffixes:
@@ -139,3 +151,16 @@ def check_parts(name: str, method: str, parts: Dict[str, torch.Tensor], required
     if missing or extra:
         raise ValueError(f"{name}: a {method!r} weight has the tensors {', '.join(required)}; "
                          f"missing: {missing}, unexpected: {extra}")
+
+
+def input_scale_value(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A stored static per-tensor activation scale ``<name>.input_scale`` as the 0-dim fp32 tensor the layer takes:
+    one value (shape ``()`` or ``(1,)``), fp32 / bf16 / fp16 (widened exactly), finite and > 0; ``ValueError``
+    naming it otherwise."""
+    if tensor.numel() != 1 or tensor.dim() > 1:
+        raise ValueError(f"{name}.input_scale: a static per-tensor activation scale is one value (shape () or (1,)); "
+                         f"got shape {tuple(tensor.shape)}")
+    value = widen_scales(name, "input_scale", tensor).reshape(()).clone()
+    if not (torch.isfinite(value) and value > 0):
+        raise ValueError(f"{name}.input_scale={value.item()!r} must be finite and > 0 (it divides the activations)")
+    return value

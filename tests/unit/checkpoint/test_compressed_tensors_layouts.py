@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import save_file
 
 import ds_fpquant as fpq
-from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning
+from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning, UnsharedInputScalesWarning
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,7 +56,7 @@ SCHEMES = {
     "FP8_BLOCK_32x16": ({"weights": _fp8("block", block_structure=[32, 16])}, "naive-quantized"),
     "FP8_GROUP_32": ({"weights": _fp8("group", group_size=32)}, "naive-quantized"),
     "NVFP4A16": ("NVFP4A16", "nvfp4-pack-quantized"),
-    "NVFP4": ("NVFP4", "nvfp4-pack-quantized"),  # plus input_global_scale (recorded, not applied)
+    "NVFP4": ("NVFP4", "nvfp4-pack-quantized"),  # plus input_global_scale (FP4 activations: recorded, not applied)
     "MXFP4": ("MXFP4", "mxfp4-pack-quantized"),
     "MXFP8": ("MXFP8", "mxfp8-quantized"),
     "MXFP6": ("MXFP6A16", "mxfp6-pack-quantized"),  # e2m3, four codes in three bytes: read as mxfp6_e2m3
@@ -122,10 +122,12 @@ def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
-def _load(path, expect_activation_scales: bool):
+def _load(path, expect_activation_scales: bool, **kwargs):
+    """``load_quantized(path, **kwargs)``, expecting one StaticActivationScalesWarning (scales it does not apply)
+    or none."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = fpq.load_quantized(path)
+        model = fpq.load_quantized(path, **kwargs)
     static = [w for w in caught if issubclass(w.category, StaticActivationScalesWarning)]
     assert len(static) == (1 if expect_activation_scales else 0), [str(w.message) for w in caught]
     return model
@@ -153,7 +155,10 @@ def test_compressed_tensors_checkpoint_loads_bit_identical(tmp_path, kind, schem
     oracle, inputs = write_ct_checkpoint(model, scheme, tmp_path / "ct")
     qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == SCHEMES[scheme][1]
-    loaded = _load(tmp_path / "ct", expect_activation_scales=bool(inputs))
+    # weight-only (activation=None) to compare the weights' products; FP8's static input_scale applied (the
+    # default) is tests/unit/checkpoint/test_static_activation_checkpoints.py. NVFP4's input_global_scale (FP4
+    # activations) is not applied either way: warned
+    loaded = _load(tmp_path / "ct", expect_activation_scales=scheme == "NVFP4", activation=None)
     layers = {n: m for n, m in loaded.named_modules() if isinstance(m, FPQuantizedLinear)}
     assert sorted(layers) == sorted(oracle) and "lm_head" not in layers  # ignore=["lm_head"] kept full precision
     for name, weight in oracle.items():
@@ -162,7 +167,7 @@ def test_compressed_tensors_checkpoint_loads_bit_identical(tmp_path, kind, schem
         _layer_bound_check(layers[name], weight)
     if not inputs:
         assert not hasattr(loaded, "ds_fpquant_activation_scales")
-    for name, parts in inputs.items():  # recorded as stored, not applied
+    for name, parts in inputs.items():  # recorded as stored (weight-only here)
         for part, value in parts.items():
             assert torch.equal(loaded.ds_fpquant_activation_scales[name][part], value)
     # the whole model: the same forward as the library's decompressed model, up to the linears' fp32 sums
@@ -221,7 +226,8 @@ def test_bad_compressed_tensors_configs_are_refused(tmp_path, edit, message):
 def test_autofp8_per_tensor_checkpoint(tmp_path):
     """AutoFP8 / older transformers FP8: ``quant_method: "fp8"`` without ``weight_block_size``, e4m3 ``weight``,
     one fp32 ``weight_scale`` and a static ``input_scale`` (0-d): read as one block per matrix,
-    ``w = fp32(q) * scale`` bit for bit; the input scales are recorded with one warning."""
+    ``w = fp32(q) * scale`` bit for bit; the input scales are recorded and applied (static W8A8, no warning), the
+    largest of q/k/v's and of gate/up's as vLLM takes it."""
     model = tiny_llama().to(torch.bfloat16)
     out = tmp_path / "autofp8"
     model.save_pretrained(out)
@@ -241,12 +247,19 @@ def test_autofp8_per_tensor_checkpoint(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg))
-    loaded = _load(out, expect_activation_scales=True)
+    with pytest.warns(UnsharedInputScalesWarning) as caught:  # every module got its own input_scale above
+        loaded = fpq.load_quantized(out)
+    assert not [w for w in caught if issubclass(w.category, StaticActivationScalesWarning)]
     for name, w in expected.items():
-        qt = loaded.get_submodule(name).quantized_weight
+        layer = loaded.get_submodule(name)
+        qt = layer.quantized_weight
         assert qt.block == tuple(w.shape) and qt.scales.shape == (1, 1)
         assert torch.equal(fpq.dequantize(qt, torch.float32).view(torch.int32), w.view(torch.int32)), name
         assert torch.equal(loaded.ds_fpquant_activation_scales[name]["input_scale"], inputs[name])
+        parent, _, leaf = name.rpartition(".")
+        group = [g for g in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) if leaf in g]
+        shared = max(inputs[f"{parent}.{m}"] for m in group[0]) if group else inputs[name]
+        assert layer.activation == "e4m3" and torch.equal(layer.input_scale, shared), name
     # a scale that is not one value is refused, naming the module
     bad = dict(state)
     bad["model.layers.0.mlp.up_proj.weight_scale"] = torch.ones(2)

@@ -24,7 +24,8 @@ qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
 ALGOS = {"FP8": "FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
          "NVFP4": "NVFP4_DEFAULT_CFG", "W4A16_NVFP4": "W4A16_NVFP4_CFG"}
-#: the algos whose checkpoints carry static activation scales (input_scale)
+#: the algos whose checkpoints carry static activation scales (input_scale); FP8's are applied (static W8A8),
+#: NVFP4's (FP4 activations) recorded and warned
 STATIC = ("FP8", "NVFP4")
 
 
@@ -70,8 +71,12 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
             warnings.simplefilter("error", layout_modelopt.StaticInputScaleWarning)
             model = fpq.load_quantized(path)
         assert not hasattr(model, "ds_fpquant_activation_scales")
-    else:
+    elif algo == "NVFP4":
         with pytest.warns(layout_modelopt.StaticInputScaleWarning, match="weight-only"):
+            model = fpq.load_quantized(path)
+    else:  # FP8: applied, not warned
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", layout_modelopt.StaticInputScaleWarning)
             model = fpq.load_quantized(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FPQuantizedLinear)}
     assert len(layers) == 14 and type(model.lm_head) is torch.nn.Linear  # lm_head is in exclude_modules
@@ -88,6 +93,11 @@ def test_modelopt_export_loads_bit_exact(exported, algo):
             assert layer.quantized_weight.block == (1, ours.shape[1])
         if algo in STATIC:
             assert torch.equal(model.ds_fpquant_activation_scales[name]["input_scale"], tensors[f"{name}.input_scale"]), name
+        # FP8: static W8A8 with the stored scale (ModelOpt's export already shares it across q/k/v and gate/up,
+        # so vLLM's max-of-shards changes nothing); NVFP4: weight-only
+        assert layer.static == (algo == "FP8"), name
+        if algo == "FP8":
+            assert torch.equal(layer.input_scale, tensors[f"{name}.input_scale"]), name
     for name, tensor in model.state_dict().items():  # everything else as stored
         if name in tensors and not any(name.startswith(f"{n}.") for n in layers):
             assert torch.equal(tensor, tensors[name]), name
