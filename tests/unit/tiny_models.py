@@ -14,6 +14,14 @@ def tiny_llama(tie: bool = False):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def tiny_qwen3():
+    """A 2-layer Qwen3 (q/k norms, head_dim 16), seeded."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=64)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
 def tiny_gpt2():
     """A 2-layer GPT-2 (Conv1D weights, tied head), seeded."""
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
 import ds_fpquant as fpq
@@ -18,7 +17,8 @@ from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning, Unshare
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import tiny_llama  # noqa: E402
+from tiny_models import tiny_llama, tiny_qwen3  # noqa: E402
+from unit.safetensors_files import write_autofp8_checkpoint  # noqa: E402
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
@@ -31,15 +31,6 @@ from compressed_tensors.quantization import (  # noqa: E402
     preset_name_to_scheme,
 )
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
-
-
-def tiny_qwen3():
-    """A 2-layer Qwen3 (q/k norms, head_dim 16), seeded."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=64)
-    return transformers.Qwen3ForCausalLM(config).eval()
-
 
 MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 
@@ -228,25 +219,10 @@ def test_autofp8_per_tensor_checkpoint(tmp_path):
     one fp32 ``weight_scale`` and a static ``input_scale`` (0-d): read as one block per matrix,
     ``w = fp32(q) * scale`` bit for bit; the input scales are recorded and applied (static W8A8, no warning), the
     largest of q/k/v's and of gate/up's as vLLM takes it."""
-    model = tiny_llama().to(torch.bfloat16)
     out = tmp_path / "autofp8"
-    model.save_pretrained(out)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    expected, inputs = {}, {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            w = module.weight.data.float()
-            scale = (w.abs().amax() / 448.0).reshape(())
-            q = (w / scale).to(torch.float8_e4m3fn)
-            state[f"{name}.weight"], state[f"{name}.weight_scale"] = q, scale
-            state[f"{name}.input_scale"] = inputs[name] = torch.tensor(0.01 + len(inputs) / 1024)
-            expected[name] = q.float() * scale
-    for f in out.glob("*.safetensors"):
-        f.unlink()
-    save_file(state, str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
-    (out / "config.json").write_text(json.dumps(cfg))
+    inputs = {}
+    state = write_autofp8_checkpoint(out, lambda name: inputs.setdefault(name, torch.tensor(0.01 + len(inputs) / 1024)))
+    expected = {name: state[f"{name}.weight"].float() * state[f"{name}.weight_scale"] for name in inputs}
     with pytest.warns(UnsharedInputScalesWarning) as caught:  # every module got its own input_scale above
         loaded = fpq.load_quantized(out)
     assert not [w for w in caught if issubclass(w.category, StaticActivationScalesWarning)]

@@ -11,9 +11,10 @@ import warnings
 import pytest
 import torch
 import transformers
+from unit.checkpoint.test_modelopt_checkpoint import modelopt_dequantize
 from unit.moe_models import tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
-from unit.tiny_models import tiny_gpt2, tiny_llama
+from unit.tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3
 
 import ds_fpquant as fpq
 from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning, ct_write
@@ -29,15 +30,6 @@ from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize  # noqa: E402
 from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format  # noqa: E402
-
-
-def tiny_qwen3():
-    """A 2-layer Qwen3 (q/k norms, head_dim 16), seeded."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=64)
-    return transformers.Qwen3ForCausalLM(config).eval()
-
 
 MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 
@@ -224,16 +216,6 @@ def test_nvfp4_global_scale_divisor():
 # ------------------------------------------------------------------------------------------------------ ModelOpt
 
 
-def _modelopt_dequantize(tensors, base, algo, shape):
-    if algo.startswith("FP8"):
-        scale = tensors[f"{base}.weight_scale"]
-        return qtensor.FP8QTensor(torch.Size(shape), torch.float32, tensors[f"{base}.weight"]).dequantize(
-            torch.float32, scale=scale if scale.dim() == 0 else scale.reshape(-1, 1))
-    return qtensor.NVFP4QTensor(torch.Size(shape), torch.float32, tensors[f"{base}.weight"]).dequantize(
-        torch.float32, scale=tensors[f"{base}.weight_scale"], double_scale=tensors[f"{base}.weight_scale_2"],
-        block_sizes={-1: 16})
-
-
 def _check_modelopt_files(path, algo):
     hf = json.loads((path / "hf_quant_config.json").read_text())
     assert hf["producer"]["name"] == "modelopt" and hf["quantization"]["quant_algo"] == algo
@@ -258,7 +240,7 @@ def test_modelopt_layout_read_by_modelopt(sources, tmp_path, how, kind, scheme):
     assert sorted(loaded) == sorted(reference)
     for name, qt in reference.items():
         ours = fpq.dequantize(qt, torch.float32)
-        theirs = _modelopt_dequantize(tensors, name, algo, ours.shape)
+        theirs = modelopt_dequantize(tensors, name, algo, ours.shape)
         nonzero = theirs != 0  # ModelOpt's NVFP4 gives +0 for the code -0
         assert torch.equal(ours == 0, ~nonzero) and torch.equal(_bits(ours[nonzero]), _bits(theirs[nonzero])), name
         _same_qt(loaded[name], qt, name)
@@ -282,7 +264,7 @@ def test_modelopt_nvfp4_qwen3_moe_experts(tmp_path):
     for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
         for e, qt in enumerate(experts[pname]):
             ours = fpq.dequantize(qt, torch.float32)
-            theirs = torch.cat([_modelopt_dequantize(tensors, f"{base}.{e}.{p}", "W4A16_NVFP4",
+            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", "W4A16_NVFP4",
                                                      (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
                                 for p in parts])
             nonzero = theirs != 0

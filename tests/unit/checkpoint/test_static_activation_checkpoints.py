@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from unit.linear_bound import assert_product_within_bound, exact_weight
-from unit.safetensors_files import read_tensors
+from unit.safetensors_files import read_tensors, write_autofp8_checkpoint
 from unit.tiny_models import tiny_llama
 
 import ds_fpquant as fpq
@@ -159,27 +159,6 @@ def test_modelopt_fp8_static_input_scales_are_applied(tmp_path):
 
 # ---- AutoFP8 (hand-built) and save_quantized ----
 
-def _autofp8_checkpoint(out, scale_of):
-    """A per-tensor FP8 checkpoint as AutoFP8 writes it: e4m3 ``weight``, fp32 ``weight_scale`` and ``input_scale``
-    (``scale_of(name)``), ``activation_scheme: "static"``."""
-    model = tiny_llama().to(torch.bfloat16)
-    model.save_pretrained(out)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            w = module.weight.data.float()
-            scale = (w.abs().amax() / 448.0).reshape(())
-            state[f"{name}.weight"], state[f"{name}.weight_scale"] = (w / scale).to(torch.float8_e4m3fn), scale
-            state[f"{name}.input_scale"] = scale_of(name)
-    for f in out.glob("*.safetensors"):
-        f.unlink()
-    save_file(state, str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return state
-
-
 def test_autofp8_static_checkpoint(tmp_path):
     """One input scale per fused group (as calibrations give q/k/v, which see the same input): applied as stored,
     no warning; the codes are torch's own saturating e4m3 cast of ``x / s``; ``activation=None``: weight-only."""
@@ -190,7 +169,7 @@ def test_autofp8_static_checkpoint(tmp_path):
         fused = next((f"{parent}.{'_'.join(g)}" for g in FUSED_LINEARS if leaf in g), name)
         return scales.setdefault(fused, torch.tensor(0.004 * (1 + len(scales)))).clone()
 
-    state = _autofp8_checkpoint(tmp_path / "fp8", scale_of)
+    state = write_autofp8_checkpoint(tmp_path / "fp8", scale_of)
     loaded, caught = _load(tmp_path / "fp8")
     assert not _of(caught, StaticActivationScalesWarning) and not _of(caught, UnsharedInputScalesWarning)
     for name, layer in _layers(loaded).items():
