@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from unit.checkpoint.test_modelopt_checkpoint import modelopt_dequantize
+from unit.checkpoint.test_modelopt_checkpoint import EXPERT_PARTS, modelopt_dequantize, modelopt_expert_dequantize
 from unit.moe_models import tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3
@@ -261,12 +261,11 @@ def test_modelopt_nvfp4_qwen3_moe_experts(tmp_path):
     assert f"{base}.0.gate_proj.weight_scale_2" in tensors
     model = fpq.load_quantized(tmp_path / "q")
     experts = quantized_experts(model.model.layers[1].mlp.experts)
-    for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
+    for pname, parts in EXPERT_PARTS:
         for e, qt in enumerate(experts[pname]):
             ours = fpq.dequantize(qt, torch.float32)
-            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", "W4A16_NVFP4",
-                                                     (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
-                                for p in parts])
+            theirs = modelopt_expert_dequantize(tensors, base, e, parts, "W4A16_NVFP4", modelopt_dequantize,
+                                                ours.shape[1])
             nonzero = theirs != 0
             assert torch.equal(_bits(ours[nonzero]), _bits(theirs[nonzero])) and torch.equal(ours == 0, ~nonzero)
         if pname == "gate_up_proj":

@@ -41,6 +41,17 @@ def export_with_modelopt(model, cfg, path, vocab):
     return path
 
 
+#: a Qwen3-MoE's expert parameters -> the per-expert checkpoint parts they stack (gate over up)
+EXPERT_PARTS = [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]
+
+
+def modelopt_expert_dequantize(tensors, base, e, parts, algo, dequantize, cols):
+    """``dequantize`` (a ModelOpt oracle) of expert ``e``'s ``parts`` under ``base``, stacked: the matrix of a
+    quantized expert stack, ``cols`` columns."""
+    return torch.cat([dequantize(tensors, f"{base}.{e}.{p}", algo, (tensors[f"{base}.{e}.{p}.weight"].shape[0], cols))
+                      for p in parts])
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """quant_algo -> directory that ModelOpt's export wrote."""
@@ -148,12 +159,10 @@ def test_modelopt_nvfp4_qwen3_moe_experts_load_bit_exact(tmp_path):
     experts = quantized_experts(model.model.layers[1].mlp.experts)
     assert set(experts) == {"gate_up_proj", "down_proj"}
     base = "model.layers.1.mlp.experts"
-    for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
+    for pname, parts in EXPERT_PARTS:
         for e, qt in enumerate(experts[pname]):
             ours = fpq.dequantize(qt, torch.float32)
-            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", "NVFP4",
-                                                    (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
-                                for p in parts])
+            theirs = modelopt_expert_dequantize(tensors, base, e, parts, "NVFP4", modelopt_dequantize, ours.shape[1])
             nonzero = theirs != 0
             assert torch.equal(ours, theirs) and torch.equal(ours[nonzero].view(torch.int32),
                                                              theirs[nonzero].view(torch.int32)), (pname, e)

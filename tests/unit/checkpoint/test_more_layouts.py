@@ -23,6 +23,7 @@ from ds_fpquant.nn.quantized_params import quantized_experts
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+from unit.checkpoint.test_modelopt_checkpoint import EXPERT_PARTS, modelopt_expert_dequantize  # noqa: E402
 
 #: quant_algo as ModelOpt 0.47 writes it -> its preset
 MODELOPT_ALGOS = {"fp8_pb_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "MXFP8": "MXFP8_DEFAULT_CFG",
@@ -371,13 +372,11 @@ def test_modelopt_block_fp8_and_mx_qwen3_moe_experts_load_bit_exact(tmp_path, al
     experts = quantized_experts(loaded.model.layers[1].mlp.experts)
     assert set(experts) == {"gate_up_proj", "down_proj"}
     base = "model.layers.1.mlp.experts"
-    for pname, parts in [("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))]:
+    for pname, parts in EXPERT_PARTS:
         assert len(experts[pname]) == 4
         for e, qt in enumerate(experts[pname]):
             ours = fpq.dequantize(qt, torch.float32)
-            theirs = torch.cat([modelopt_dequantize(tensors, f"{base}.{e}.{p}", algo,
-                                                    (tensors[f"{base}.{e}.{p}.weight"].shape[0], ours.shape[1]))
-                                for p in parts])
+            theirs = modelopt_expert_dequantize(tensors, base, e, parts, algo, modelopt_dequantize, ours.shape[1])
             assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (pname, e)
     assert not isinstance(loaded.model.layers[1].mlp.gate, FPQuantizedLinear)  # the router, excluded
     dense = {n: m for n, m in loaded.named_modules() if isinstance(m, FPQuantizedLinear)}
