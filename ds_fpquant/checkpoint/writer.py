@@ -95,12 +95,12 @@ class _Layout:
 
     def check_shapes(self, shapes: Dict[str, Sequence[int]]) -> None:
         """``ValueError`` for weights (name -> ``(N, K)``) whose groups the layout's readers need whole (compressed-
-        tensors' group strategies and ModelOpt's NVFP4 refuse ``K`` that is not a multiple of the group)."""
+        tensors' group strategies and ModelOpt's NVFP4 / MX refuse ``K`` that is not a multiple of the group)."""
         group = None
         if self.method == ct_write.LAYOUT and self.info["weights"]["strategy"] in ("group", "tensor_group"):
             group = self.info["weights"]["group_size"]
-        elif self.method == modelopt_write.LAYOUT and self.info == "W4A16_NVFP4":
-            group = modelopt_write.NVFP4_GROUP
+        elif self.method == modelopt_write.LAYOUT:
+            group = modelopt_write.GROUPS.get(self.info)
         partial = {name: tuple(shape) for name, shape in shapes.items() if group and shape[-1] % group}
         if partial:
             raise ValueError(f"layout={self.method!r} stores groups of {group} along in_features whole; these weights' "
