@@ -249,8 +249,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         progress: show a tqdm progress bar over the tensors.
         layout: the checkpoint layout (docs/checkpoints.md), one of :data:`LAYOUTS`: ``"fp8"`` (block FP8: e4m3 /
             e5m2 with fp32 scales), ``"compressed-tensors"`` (e4m3 with fp32 scales per tensor, channel, block or
-            group; ``mxfp8_e4m3``, ``mxfp4``, ``nvfp4``), ``"modelopt"`` (e4m3 with fp32 scales and
-            ``granularity="tensor"`` / ``"channel"``; ``nvfp4``; plus ``hf_quant_config.json``) or ``"ds_fpquant"``
+            group; ``mxfp8_e4m3``, ``mxfp4``, ``mxfp6_e2m3``, ``nvfp4``), ``"modelopt"`` (e4m3 with fp32 scales and
+            ``granularity="tensor"`` / ``"channel"`` or ``block=(128, 128)``; ``mxfp8_e4m3``, ``mxfp4``, ``nvfp4``;
+            plus ``hf_quant_config.json``) or ``"ds_fpquant"``
             (every format); ``None``: ``"fp8"`` for e4m3 / e5m2 with fp32 scales, else ``"ds_fpquant"``. NVFP4 in
             compressed-tensors: :class:`GlobalScaleRoundingWarning` for weights whose tensor scale no divisor
             reproduces exactly.
