@@ -95,12 +95,12 @@ class _Layout:
 
     def check_shapes(self, shapes: Dict[str, Sequence[int]]) -> None:
         """``ValueError`` for weights (name -> ``(N, K)``) whose groups the layout's readers need whole (compressed-
-        tensors' group strategies and ModelOpt's NVFP4 refuse ``K`` that is not a multiple of the group)."""
+        tensors' group strategies and ModelOpt's NVFP4 / MX refuse ``K`` that is not a multiple of the group)."""
         group = None
         if self.method == ct_write.LAYOUT and self.info["weights"]["strategy"] in ("group", "tensor_group"):
             group = self.info["weights"]["group_size"]
-        elif self.method == modelopt_write.LAYOUT and self.info == "W4A16_NVFP4":
-            group = modelopt_write.NVFP4_GROUP
+        elif self.method == modelopt_write.LAYOUT:
+            group = modelopt_write.GROUPS.get(self.info)
         partial = {name: tuple(shape) for name, shape in shapes.items() if group and shape[-1] % group}
         if partial:
             raise ValueError(f"layout={self.method!r} stores groups of {group} along in_features whole; these weights' "
@@ -249,8 +249,9 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
         progress: show a tqdm progress bar over the tensors.
         layout: the checkpoint layout (docs/checkpoints.md), one of :data:`LAYOUTS`: ``"fp8"`` (block FP8: e4m3 /
             e5m2 with fp32 scales), ``"compressed-tensors"`` (e4m3 with fp32 scales per tensor, channel, block or
-            group; ``mxfp8_e4m3``, ``mxfp4``, ``nvfp4``), ``"modelopt"`` (e4m3 with fp32 scales and
-            ``granularity="tensor"`` / ``"channel"``; ``nvfp4``; plus ``hf_quant_config.json``) or ``"ds_fpquant"``
+            group; ``mxfp8_e4m3``, ``mxfp4``, ``mxfp6_e2m3``, ``nvfp4``), ``"modelopt"`` (e4m3 with fp32 scales and
+            ``granularity="tensor"`` / ``"channel"`` or ``block=(128, 128)``; ``mxfp8_e4m3``, ``mxfp4``, ``nvfp4``;
+            plus ``hf_quant_config.json``) or ``"ds_fpquant"``
             (every format); ``None``: ``"fp8"`` for e4m3 / e5m2 with fp32 scales, else ``"ds_fpquant"``. NVFP4 in
             compressed-tensors: :class:`GlobalScaleRoundingWarning` for weights whose tensor scale no divisor
             reproduces exactly.

@@ -33,8 +33,9 @@ def quantize_parser():
                         help="scale format (SPEC 3; default fp32, or the preset's own; e4m3 is nvfp4's)")
     parser.add_argument("--layout", choices=list(LAYOUTS),
                         help="checkpoint layout (default: fp8 for e4m3/e5m2 with fp32 scales, else ds_fpquant); "
-                             "compressed-tensors holds e4m3 (tensor/channel/block/group), mxfp8_e4m3, mxfp4, nvfp4; "
-                             "modelopt holds e4m3 with --granularity tensor/channel, nvfp4")
+                             "compressed-tensors holds e4m3 (tensor/channel/block/group), mxfp8_e4m3, mxfp4, "
+                             "mxfp6_e2m3, nvfp4; modelopt holds e4m3 with --granularity tensor/channel or 128x128 "
+                             "blocks, mxfp8_e4m3, mxfp4, nvfp4")
     parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                         help="regular expression (re.search) of module names to keep unquantized; repeat for more "
                              "(embeddings and output heads are always kept)")

@@ -10,14 +10,18 @@ What is written, per quantized weight ``<m>`` (``(N, K)``), by ``format``:
 - ``mxfp8-quantized`` (``mxfp8_e4m3``): e4m3 ``<m>.weight`` and ``uint8`` E8M0 ``<m>.weight_scale`` ``(N, K/32)``.
 - ``mxfp4-pack-quantized`` (``mxfp4``): ``<m>.weight_packed`` ``uint8`` ``(N, K/2)`` (SPEC 6 packing, the first code in
   the low nibble, as compressed-tensors packs) and E8M0 ``<m>.weight_scale``.
+- ``mxfp6-pack-quantized`` (``mxfp6_e2m3``; compressed-tensors' only 6-bit float is E2M3): ``<m>.weight_packed``
+  ``uint8`` ``(N, 3K/4)``, SPEC 6's bit stream as it is (four codes a 3-byte little-endian word, the first in the
+  lowest bits: byte for byte what its ``pack_fp6_to_uint8`` writes) and E8M0 ``<m>.weight_scale`` ``(N, K/32)``.
 - ``nvfp4-pack-quantized`` (``nvfp4``): ``<m>.weight_packed``, ``<m>.weight_scale`` ``float8_e4m3fn`` ``(N, K/16)`` and
   ``<m>.weight_global_scale`` fp32 ``(1,)``, a divisor ``g`` (:func:`global_scale`).
 
 ``quantization_config``: one ``config_groups.group_0`` with ``targets: ["Linear"]``, the ``weights`` arguments
 (``num_bits``, ``type: "float"``, ``symmetric``, ``dynamic: false``, ``strategy`` and ``group_size`` /
-``block_structure``), ``input_activations`` static per tensor (:data:`STATIC_INPUT`, ``<m>.input_scale`` ``(1,)``) for
-layers that run static W8A8 (SPEC 8.3) and none otherwise; ``format``, ``quantization_status: "compressed"`` and ``ignore`` (the linears
-left unquantized).
+``block_structure``; the MX formats ``scale_dtype: "torch.uint8"``, as compressed-tensors' ``MXFP8A16`` /
+``MXFP4A16`` / ``MXFP6A16`` presets dump them), ``input_activations`` static per tensor (:data:`STATIC_INPUT`,
+``<m>.input_scale`` ``(1,)``) for layers that run static W8A8 (SPEC 8.3) and none otherwise; ``format``,
+``quantization_status: "compressed"`` and ``ignore`` (the linears left unquantized).
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ LAYOUT = METHOD
 
 #: what this layout holds, for messages
 HOLDS = ("e4m3 with fp32 scales (granularity 'tensor' or 'channel', block=(Br, Bc), group_size=G), mxfp8_e4m3, "
-         "mxfp4, nvfp4")
+         "mxfp4, mxfp6_e2m3, nvfp4")
+
+#: the MX presets' weights arguments besides num_bits (compressed-tensors 0.20.1's MXFP*A16 presets: E8M0 scales)
+_MX_ARGS = {"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}
 
 #: ds_fpquant preset -> (compressed-tensors format, the weights arguments)
-_MX = {"mxfp8_e4m3": ("mxfp8-quantized", {"num_bits": 8, "strategy": "group", "group_size": 32}),
-       "mxfp4": ("mxfp4-pack-quantized", {"num_bits": 4, "strategy": "group", "group_size": 32}),
+_MX = {"mxfp8_e4m3": ("mxfp8-quantized", {"num_bits": 8, **_MX_ARGS}),
+       "mxfp4": ("mxfp4-pack-quantized", {"num_bits": 4, **_MX_ARGS}),
+       "mxfp6_e2m3": ("mxfp6-pack-quantized", {"num_bits": 6, **_MX_ARGS}),
        "nvfp4": ("nvfp4-pack-quantized", {"num_bits": 4, "strategy": "tensor_group", "group_size": 16})}
 
 
@@ -130,7 +138,7 @@ def to_parts(qt, fmt_info: Dict[str, Any], inexact: List[str], name: str) -> Dic
         return {"weight": qt.codes.view(torch.float8_e4m3fn).cpu(), "weight_scale": scales.cpu()}
     if fmt == "mxfp8-quantized":
         return {"weight": qt.codes.view(torch.float8_e4m3fn).cpu(), "weight_scale": qt.scales.cpu()}
-    if fmt == "mxfp4-pack-quantized":
+    if fmt in ("mxfp4-pack-quantized", "mxfp6-pack-quantized"):  # SPEC 6's packed bytes, compressed-tensors' too
         return {"weight_packed": qt.codes.cpu(), "weight_scale": qt.scales.cpu()}
     g, exact = global_scale(qt.tensor_scale, qt.scales)
     if not exact:

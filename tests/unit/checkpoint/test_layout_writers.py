@@ -1,9 +1,11 @@
 """Issue 29, writing side: ``quantize_checkpoint`` / ``save_quantized`` with ``layout="compressed-tensors"`` and
 ``layout="modelopt"``, read back by the other tool: compressed-tensors 0.20.1 (its compressors' ``decompress`` of
-the stored tensors, transformers' ``from_pretrained`` of the checkpoint) and nvidia-modelopt 0.47 (``FP8QTensor`` /
-``NVFP4QTensor.dequantize``, ``convert_hf_quant_config_format`` for ``config.json``), compared with ds_fpquant's
-``dequantize`` bit for bit (or within the derived bound where the consumer rounds); and by
-``ds_fpquant.load_quantized``: codes and scales as written."""
+the stored tensors, transformers' ``from_pretrained`` of the checkpoint, its presets' weights arguments) and
+nvidia-modelopt 0.47 (``FP8QTensor`` / ``NVFP4QTensor`` / ``MXFP8QTensor`` / ``MXFP4QTensor.dequantize``,
+``convert_hf_quant_config_format`` for ``config.json``, its own export of the same model for ``hf_quant_config.json``
+and the tensors' names, dtypes and shapes), compared with ds_fpquant's ``dequantize`` bit for bit (or within the
+derived bound where the consumer rounds); and by ``ds_fpquant.load_quantized``: codes and scales as written. Llama,
+Qwen3 and a tiny DeepSeek-V3 (MLA attention, routed and shared experts)."""
 
 import json
 import warnings
@@ -11,7 +13,8 @@ import warnings
 import pytest
 import torch
 import transformers
-from unit.checkpoint.test_modelopt_checkpoint import EXPERT_PARTS, modelopt_dequantize, modelopt_expert_dequantize
+from unit.checkpoint.test_modelopt_checkpoint import EXPERT_PARTS, modelopt_expert_dequantize
+from unit.checkpoint.test_modelopt_checkpoint import modelopt_dequantize as modelopt_fp8_nvfp4_dequantize
 from unit.moe_models import tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3
@@ -26,10 +29,13 @@ from ds_fpquant.nn.quantized_params import quantized_experts
 pytest.importorskip("compressed_tensors")
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor  # noqa: E402
+from compressed_tensors.compressors.mxfp6.helpers import pack_fp6_to_uint8  # noqa: E402
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # noqa: E402
-from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize  # noqa: E402
 from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format  # noqa: E402
+from unit.checkpoint.test_more_layouts import MODELOPT_ALGOS, export_with_modelopt, llama_192  # noqa: E402
+from unit.checkpoint.test_more_layouts import modelopt_dequantize as modelopt_block_mx_dequantize  # noqa: E402
 
 MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 
@@ -41,19 +47,38 @@ CT_SCHEMES = {
     "fp8_group": (dict(fmt="e4m3", group_size=32), "float-quantized", "group"),
     "mxfp8": (dict(fmt="mxfp8_e4m3"), "mxfp8-quantized", "group"),
     "mxfp4": (dict(fmt="mxfp4"), "mxfp4-pack-quantized", "group"),
+    "mxfp6": (dict(fmt="mxfp6_e2m3"), "mxfp6-pack-quantized", "group"),
     "nvfp4": (dict(fmt="nvfp4"), "nvfp4-pack-quantized", "tensor_group"),
 }
+
+#: MX scheme -> compressed-tensors' preset whose weights arguments it writes
+CT_PRESETS = {"mxfp8": "MXFP8A16", "mxfp4": "MXFP4A16", "mxfp6": "MXFP6A16"}
 
 #: scheme -> (quantize settings, quant_algo)
 MO_SCHEMES = {
     "fp8_tensor": (dict(fmt="e4m3", granularity="tensor"), "FP8"),
     "fp8_channel": (dict(fmt="e4m3", granularity="channel"), "FP8_PER_CHANNEL_PER_TOKEN"),
     "nvfp4": (dict(fmt="nvfp4"), "W4A16_NVFP4"),
+    "fp8_block": (dict(fmt="e4m3", block=(128, 128)), "fp8_pb_wo"),
+    "mxfp8": (dict(fmt="mxfp8_e4m3"), "MXFP8"),
+    "mxfp4": (dict(fmt="mxfp4"), "mxfp4"),
 }
+
+
+def modelopt_dequantize(tensors, base, algo, shape):
+    """ModelOpt's own dequantization of one weight, fp32 (its FP8QTensor, NVFP4QTensor, MXFP8QTensor, MXFP4QTensor)."""
+    if algo in MODELOPT_ALGOS or algo == "fp8_pb_real":
+        return modelopt_block_mx_dequantize(tensors, base, algo, shape)
+    return modelopt_fp8_nvfp4_dequantize(tensors, base, algo, shape)
 
 
 def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _mx_scales(qt):
+    """The E8M0 group scales of an MX weight as fp32 powers of two, one per element."""
+    return torch.ldexp(torch.ones(()), qt.scales.int() - 127).repeat_interleave(qt.group_size, dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +155,9 @@ def test_compressed_tensors_layout_read_by_compressed_tensors(sources, tmp_path,
     assert parsed.format == fmt and parsed.quantization_status == "compressed" and parsed.ignore == ["lm_head"]
     assert parsed.config_groups["group_0"].weights.strategy == strategy
     assert parsed.config_groups["group_0"].targets == ["Linear"]
+    if scheme in CT_PRESETS:  # the weights arguments as compressed-tensors dumps its own preset, scale_dtype included
+        preset = preset_name_to_scheme(CT_PRESETS[scheme], ["Linear"]).weights.model_dump()
+        assert qconfig["config_groups"]["group_0"]["weights"] == preset == parsed.config_groups["group_0"].weights.model_dump()
     tensors = read_tensors(tmp_path / "ct")
     loaded = _layers(fpq.load_quantized(tmp_path / "ct"))
     assert sorted(loaded) == sorted(reference) and "lm_head" not in loaded
@@ -138,6 +166,9 @@ def test_compressed_tensors_layout_read_by_compressed_tensors(sources, tmp_path,
     for name, qt in reference.items():
         theirs = _ct_decompress(tensors, name, qconfig)
         assert torch.equal(_bits(fpq.dequantize(qt, theirs.dtype)), _bits(theirs)) or qt.fmt == "nvfp4", name
+        if qt.fmt == "mxfp6_e2m3":  # the bytes are what compressed-tensors' own packer makes of the e2m3 values
+            values = fpq.dequantize(qt, torch.float32) / _mx_scales(qt)
+            assert torch.equal(tensors[f"{name}.weight_packed"], pack_fp6_to_uint8(values)), name
         g, exact = (ct_write.global_scale(qt.tensor_scale, qt.scales) if qt.fmt == "nvfp4" else (None, True))
         ours = fpq.dequantize(qt, torch.float32)
         if qt.fmt != "nvfp4":
@@ -220,7 +251,8 @@ def _check_modelopt_files(path, algo):
     hf = json.loads((path / "hf_quant_config.json").read_text())
     assert hf["producer"]["name"] == "modelopt" and hf["quantization"]["quant_algo"] == algo
     assert hf["quantization"]["kv_cache_quant_algo"] is None and hf["quantization"]["exclude_modules"] == ["lm_head"]
-    assert hf["quantization"].get("group_size") == (16 if algo == "W4A16_NVFP4" else None)
+    # ModelOpt 0.47's export writes group_size for NVFP4 and MXFP8, none for fp8_pb_wo and mxfp4
+    assert hf["quantization"].get("group_size") == {"W4A16_NVFP4": 16, "MXFP8": 32}.get(algo)
     qconfig = json.loads((path / "config.json").read_text())["quantization_config"]
     assert qconfig == convert_hf_quant_config_format(hf)  # what ModelOpt's own export derives from it
 
@@ -293,17 +325,120 @@ def test_compressed_tensors_mxfp4_qwen3_moe_experts(tmp_path):
             assert torch.equal(_bits(fpq.dequantize(qt, torch.float32)), _bits(theirs)), (pname, e)
 
 
+@pytest.mark.parametrize("algo,model", [("fp8_pb_wo", "llama64"), ("fp8_pb_wo", "llama192"), ("MXFP8", "llama64"),
+                                        ("mxfp4", "llama64")])
+def test_modelopt_layout_is_what_modelopts_export_writes(tmp_path, algo, model):
+    """The same model written by ds_fpquant and exported by ModelOpt 0.47 itself (``mtq.quantize`` with the preset,
+    ``export_hf_checkpoint``): ``hf_quant_config.json`` and ``config.json``'s ``quantization_config`` equal, key order
+    included, but for the excluded modules (ModelOpt also lists the embeddings, which have no quantizer; ds_fpquant
+    the linears it kept), and the same tensors under the same names, dtypes and shapes (fp8_pb_wo: its block amax
+    shape ``(Nb, 1, Kb, 1)``, 0-dim for one block; llama192's matrices have partial edge blocks)."""
+    make = {"llama64": tiny_llama, "llama192": llama_192}[model]
+    make().save_pretrained(tmp_path / "src")
+    settings = next(s for s, a in MO_SCHEMES.values() if a == algo)
+    fpq.quantize_checkpoint(tmp_path / "src", tmp_path / "ours", layout="modelopt", progress=False, **settings)
+    export_with_modelopt(make(), MODELOPT_ALGOS[algo], tmp_path / "theirs")
+    ours, theirs = ({f: json.loads((tmp_path / d / f).read_text()) for f in ("hf_quant_config.json", "config.json")}
+                    for d in ("ours", "theirs"))
+    assert ours["hf_quant_config.json"]["quantization"].pop("exclude_modules") == ["lm_head"]
+    assert "lm_head" in theirs["hf_quant_config.json"]["quantization"].pop("exclude_modules")
+    assert json.dumps(ours["hf_quant_config.json"]) == json.dumps(theirs["hf_quant_config.json"])
+    ours_q, theirs_q = ours["config.json"]["quantization_config"], theirs["config.json"]["quantization_config"]
+    assert ours_q.pop("ignore") == ["lm_head"] and "lm_head" in theirs_q.pop("ignore")
+    assert json.dumps(ours_q) == json.dumps(theirs_q)
+    mine, exported = read_tensors(tmp_path / "ours"), read_tensors(tmp_path / "theirs")
+    assert sorted(mine) == sorted(exported)
+    scales = [k for k in exported if k.endswith(".weight_scale")]
+    assert len(scales) == (14 if model == "llama64" else 7)
+    for key in mine:
+        assert (mine[key].dtype, mine[key].shape) == (exported[key].dtype, exported[key].shape), key
+    if algo == "fp8_pb_wo":
+        assert {exported[k].dim() for k in scales} == ({0} if model == "llama64" else {4})
+
+
+def tiny_deepseek_v3():
+    """A 2-layer DeepSeek-V3 (MLA with q / kv LoRA ranks 32, layer 0 a dense MLP, layer 1 four routed experts of 32
+    and a shared one) whose linears all have in_features a multiple of 32 (MX groups), seeded, eval mode."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+                                           kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                           max_position_embeddings=64)
+    return transformers.DeepseekV3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("layout,fmt,how", [("modelopt", "e4m3", "quantize_checkpoint"),
+                                            ("modelopt", "mxfp4", "save_quantized"),
+                                            ("compressed-tensors", "mxfp6_e2m3", "quantize_checkpoint"),
+                                            ("compressed-tensors", "mxfp6_e2m3", "save_quantized")])
+def test_deepseek_v3_in_the_new_layouts(tmp_path, layout, fmt, how):
+    """A tiny DeepSeek-V3 in ModelOpt's fp8_pb_wo (e4m3's default 128x128 blocks) / mxfp4 and compressed-tensors'
+    mxfp6-pack-quantized: every dense linear (MLA's q_a / q_b / kv_a / kv_b / o, the dense and shared MLPs) and every
+    routed expert (per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, gate over up) dequantized
+    by the other tool is ds_fpquant's weight bit for bit; load_quantized reads the same codes and scales back."""
+    src = tmp_path / "src"
+    tiny_deepseek_v3().to(torch.bfloat16).save_pretrained(src)
+    if how == "quantize_checkpoint":
+        fpq.quantize_checkpoint(src, tmp_path / "q", fmt, layout=layout, progress=False)
+        fpq.quantize_checkpoint(src, tmp_path / "own", fmt, layout="ds_fpquant", progress=False)
+        reference = fpq.load_quantized(tmp_path / "own")
+    else:
+        reference = fpq.load_quantized(src, fp_quantization={"fmt": fmt})
+        fpq.save_quantized(reference, tmp_path / "q", layout=layout)
+    tensors = read_tensors(tmp_path / "q")
+    qconfig = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    if layout == "modelopt":
+        hf = json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())
+        algo = hf["quantization"]["quant_algo"]
+        assert algo == {"e4m3": "fp8_pb_wo", "mxfp4": "mxfp4"}[fmt] and qconfig == convert_hf_quant_config_format(hf)
+
+        def theirs(base, shape):
+            return modelopt_dequantize(tensors, base, algo, shape)
+    else:
+        assert QuantizationConfig.model_validate(qconfig).format == "mxfp6-pack-quantized"
+
+        def theirs(base, shape):
+            return _ct_decompress(tensors, base, qconfig)
+    loaded = fpq.load_quantized(tmp_path / "q")
+    dense, got = _layers(reference), _layers(loaded)
+    assert sorted(got) == sorted(dense)
+    assert {n.rsplit(".", 1)[1] for n in dense} >= {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    assert any(".shared_experts." in n for n in dense)
+    for name, qt in dense.items():
+        _same_qt(got[name], qt, name)
+        other = theirs(name, tuple(qt.shape))
+        assert torch.equal(_bits(fpq.dequantize(qt, other.dtype)), _bits(other)), name
+    base = "model.layers.1.mlp.experts"
+    ours_experts = quantized_experts(reference.model.layers[1].mlp.experts)
+    got_experts = quantized_experts(loaded.model.layers[1].mlp.experts)
+    assert set(ours_experts) == set(got_experts) == {"gate_up_proj", "down_proj"}
+    for pname, parts in EXPERT_PARTS:
+        assert len(ours_experts[pname]) == 4
+        for e, qt in enumerate(ours_experts[pname]):
+            _same_qt(got_experts[pname][e], qt, f"{pname}[{e}]")
+            rows, cols = qt.shape[0] // len(parts), qt.shape[1]  # gate and up: 32 rows each
+            other = torch.cat([theirs(f"{base}.{e}.{p}", (rows, cols)) for p in parts])
+            assert torch.equal(_bits(fpq.dequantize(qt, other.dtype)), _bits(other)), (pname, e)
+
+
 # ------------------------------------------------------------------------------------------------------- refusals
 
 
 @pytest.mark.parametrize("layout,settings,message", [
     ("modelopt", dict(fmt="mxfp6_e3m2"), r"layout='modelopt' cannot hold fmt='mxfp6_e3m2'.*it holds e4m3"),
-    ("modelopt", dict(fmt="e4m3"), r"layout='modelopt' cannot hold fmt='e4m3' .*(block=\(128, 128\)|group_size=128)"),
+    ("modelopt", dict(fmt="e4m3", block=(64, 64)),
+     r"layout='modelopt' cannot hold fmt='e4m3' .*block=\(64, 64\) \(ModelOpt's block FP8, fp8_pb_wo, records no block "
+     r"size: its readers assume 128x128\)"),
+    ("modelopt", dict(fmt="e4m3", block=(128, 64)), r"layout='modelopt' cannot hold .*block=\(128, 64\).*128x128"),
+    ("modelopt", dict(fmt="e4m3", group_size=128), r"layout='modelopt' cannot hold fmt='e4m3' .*(block=\(1, 128\)|group_size=128)"),
+    ("modelopt", dict(fmt="e4m3", block=(128, 128), scale_format="e8m0"), r"layout='modelopt' .*'e8m0'"),
     ("modelopt", dict(fmt="e4m3", granularity="tensor", scale_format="e8m0"), r"layout='modelopt' .*'e8m0'"),
     ("modelopt", dict(fmt="e3m2", group_size=32), r"layout='modelopt' cannot hold fmt='e3m2'"),
     ("compressed-tensors", dict(fmt="e5m2", granularity="channel"), r"layout='compressed-tensors' cannot hold fmt='e5m2'"),
     ("compressed-tensors", dict(fmt="e4m3", block=(32, 32), scale_format="e8m0"), r"scale_format='e8m0'.*holds"),
-    ("compressed-tensors", dict(fmt="mxfp6_e2m3"), r"cannot hold fmt='mxfp6_e2m3'"),
+    ("compressed-tensors", dict(fmt="mxfp6_e3m2"), r"cannot hold fmt='mxfp6_e3m2'.*mxfp6_e2m3"),
     ("fp8", dict(fmt="nvfp4"), r"layout='fp8' cannot hold fmt='nvfp4'"),
     ("vllm", dict(fmt="e4m3"), r"layout.*'vllm'"),
 ])
@@ -321,10 +456,14 @@ def test_bad_layout_combinations_are_refused_before_writing(sources, tmp_path, l
 
 @pytest.mark.parametrize("layout,settings", [("compressed-tensors", dict(fmt="e4m3", group_size=48)),
                                              ("compressed-tensors", dict(fmt="mxfp4")),
-                                             ("modelopt", dict(fmt="nvfp4"))])
+                                             ("compressed-tensors", dict(fmt="mxfp6_e2m3")),
+                                             ("modelopt", dict(fmt="nvfp4")),
+                                             ("modelopt", dict(fmt="mxfp8_e4m3")),
+                                             ("modelopt", dict(fmt="mxfp4"))])
 def test_partial_groups_are_refused_where_the_readers_refuse_them(tmp_path, layout, settings):
-    """compressed-tensors' group strategies and ModelOpt's NVFP4 need ``K`` a multiple of the group (compressed-
-    tensors' decompress raises "tensor column shape must be divisble by the given group_size"): refused before
+    """compressed-tensors' group strategies, ModelOpt's NVFP4 and MX need ``K`` a multiple of the group (compressed-
+    tensors' decompress raises "tensor column shape must be divisble by the given group_size"; ModelOpt's
+    MXFP8QTensor / MXFP4QTensor quantize whole groups of 32, ds_fpquant's reader refuses others): refused before
     writing, naming the weights. A 2-D block cut by the matrix edge is fine (compressed-tensors pads)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=72, num_hidden_layers=1,
