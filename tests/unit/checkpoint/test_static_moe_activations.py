@@ -89,15 +89,48 @@ def _check_static_experts(model, tensors, monkeypatch):
         y = _expert_forward(experts, pname, 2, xi)
         assert torch.equal(y, static_w8a8_linear(xi, qts[2], None, scale, "auto")), pname
         assert not torch.equal(y, linear(xi, qts[2])), f"{pname}: the activations were not quantized"
-    calls = _record_calls(monkeypatch)
-    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
-    model.model.layers[1].mlp(hidden)
-    assert len(calls) >= 4  # gate_up and down of at least two routed experts
-    for xc, qt, activation, scale, y in calls:
-        assert activation == "e4m3" and scale is not None
-        _, x_hat = static_quantize_activations(xc, scale)
-        assert_product_within_bound(x_hat, exact_weight(qt), None, y)
+    _check_moe_block(experts, monkeypatch)
     return experts
+
+
+def _check_moe_block(experts, monkeypatch):
+    """The experts' forward (the MoE block after routing) against an fp64 reference: each routed expert's
+    ``down(act(gate) * up)`` as ``h_hat @ w_down^T`` (``h_hat`` the static quantization of the block's own ``act(gate)
+    * up``, the weights the codes times their scales exactly), times its routing weight, summed per token. Each
+    expert matmul first within SPEC 8.2 / 8.3's bound of its fp64 product (``tol_k``); the block output then within
+    ``sum_k |w_k| tol_k + 2 (top_k + 1) eps32 sum_k |w_k| (|ref_k| + tol_k)`` of the reference (the model's fp32 product
+    by the routing weight and its ``index_add_`` of top_k terms into zeros: top_k + 1 roundings per token,
+    gamma_n <= 2 n eps32)."""
+    tokens, top_k = 12, 2
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(tokens, 64, generator=g)
+    index = torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    calls = _record_calls(monkeypatch)
+    out = experts(hidden, index, weights)
+    mask = F.one_hot(index, num_classes=5).permute(2, 1, 0)
+    hit = [e for e in range(4) if mask[e].sum() > 0]
+    assert len(calls) == 2 * len(hit)  # one gate_up and one down call per routed expert
+    ref = torch.zeros(tokens, 64, dtype=torch.float64)
+    tol = torch.zeros(tokens, 64, dtype=torch.float64)
+    eps = 2.0**-24
+    for e, (gate_up, down) in zip(hit, zip(calls[0::2], calls[1::2])):
+        pos, token = torch.where(mask[e])
+        assert torch.equal(gate_up[0], hidden[token])  # the routed tokens, as they came in
+        for xc, qt, activation, scale, y in (gate_up, down):
+            assert activation == "e4m3" and scale is not None
+            _, x_hat = static_quantize_activations(xc, scale)
+            assert_product_within_bound(x_hat, exact_weight(qt), None, y)
+        xc, qt, _, scale, _ = down
+        _, h_hat = static_quantize_activations(xc, scale)
+        w = exact_weight(qt)
+        ref_k = h_hat.double() @ w.T
+        tol_k = 2 * (qt.shape[1] + 2) * eps * (h_hat.double().abs() @ w.abs().T) + 2.0**-150
+        r = weights[token, pos].double()[:, None]
+        ref.index_add_(0, token, r * ref_k)
+        tol.index_add_(0, token, r.abs() * tol_k + 2 * (top_k + 1) * eps * r.abs() * (ref_k.abs() + tol_k))
+    err = (out.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max error {err.max().item():.3e} over bound"
 
 
 def _check_weight_only(path):
