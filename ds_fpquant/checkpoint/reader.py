@@ -46,7 +46,10 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
       num_bits: 8, strategy: tensor, dynamic: false}``, ModelOpt ``FP8``, ``activation_scheme: "static"``), the
       layer runs static W8A8 with its ``input_scale`` (SPEC 8.3), the largest of its fused group's (q/k/v,
       gate/up) as vLLM takes it (:class:`~ds_fpquant.checkpoint.layouts.UnsharedInputScalesWarning` when they
-      differ). Other static scales (NVFP4's: FP4 activations; experts') are not applied
+      differ). Quantized expert stacks stored per expert (``mlp.experts.{e}.gate_proj.input_scale`` ...) run static
+      W8A8 too, with one scale per stack: the largest over its experts (and over gate and up), as vLLM's FP8 MoE
+      layer takes it (:class:`~ds_fpquant.checkpoint.layouts.UnsharedInputScalesWarning` when they differ). Other
+      static scales (NVFP4's: FP4 activations) are not applied
       (:class:`~ds_fpquant.checkpoint.layouts.StaticActivationScalesWarning`, once).
     - A full-precision checkpoint with ``fp_quantization`` settings: quantize while loading. Each tensor is
       read once; a linear or expert weight the settings select is quantized as it is read, everything else
@@ -113,7 +116,8 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
     state = {}
     placed: Dict[Tuple, str] = {}  # where each tensor went -> its key: two keys for one place are an error
-    activation_scales: Dict[str, Dict[str, torch.Tensor]] = {}  # recorded, not applied
+    activation_scales: Dict[str, Dict[str, torch.Tensor]] = {}  # recorded (applied where static_input says so)
+    expert_inputs: Dict[str, Dict[Tuple[int, int], Tuple]] = {}  # target -> (e, part) -> (module, owner, input_scale)
     for key, tensor in iter_tensors(files):
         kind, where, part_name = _place(key, quantized, linears, keys, reading)
         slot = (kind, where, part_name) if kind else None
@@ -124,6 +128,9 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
             owner = where if kind == "linear" else (f"{where.target}[expert {where.expert}, part {where.part}]"
                                                     if kind == "expert" else where)
             activation_scales.setdefault(owner, {})[part_name] = tensor
+            if kind == "expert" and part_name == "input_scale":  # the per-expert module, as the checkpoint names it
+                expert_inputs.setdefault(where.target, {})[(where.expert, where.part)] = (
+                    key[:-len(".input_scale")], owner, tensor)
         elif kind == "linear":
             parts[where][part_name] = tensor
         elif kind == "expert":
@@ -158,8 +165,14 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         except ValueError as exc:  # a static input scale with a weight the static W8A8 path does not take
             raise ValueError(f"{name}: {exc}; load_quantized(path, activation=None) loads it weight-only") from None
         setattr(parent, child, layer)
-    for target, by_part in expert_parts.items():
-        _load_expert_parts(model, keys, target, by_part, reading, dtype, state, backend, compute_dtype)
+    expert_static = ({target: _expert_input_scale(target, by_part, expert_inputs.get(target, {}), reading)
+                      for target, by_part in expert_parts.items()} if activation == CHECKPOINT_ACTIVATION else {})
+    quantized_stacks = {target for target, by_part in expert_parts.items()
+                        if _load_expert_parts(model, keys, target, by_part, reading, dtype, state, backend,
+                                              compute_dtype, expert_static.get(target))}
+    # per-expert static FP8 input scales that the quantized stacks apply (activation=None opts out, unwarned)
+    applied = {owner for target in quantized_stacks for module_name, owner, _ in expert_inputs.get(target, {}).values()
+               if reading.static_input(module_name)}
     for target, tensors in fused.items():
         _load_fused_experts(model, keys, target, tensors, reading, dtype, state, backend, compute_dtype)
     _assign_rest(model, state, keys)
@@ -168,12 +181,13 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         model.ds_fpquant_activation_scales = activation_scales
     # what the checkpoint quantizes statically and ds_fpquant does not apply (activation=None opts out of the rest)
     unapplied = {owner: scales for owner, scales in activation_scales.items()
-                 if not (owner in parts and set(scales) == {"input_scale"} and reading.static_input(owner))}
+                 if not (owner in parts and set(scales) == {"input_scale"} and reading.static_input(owner))
+                 and not (owner in applied and set(scales) == {"input_scale"})}
     if unapplied:
         warnings.warn(layouts.StaticActivationScalesWarning(
             f"the checkpoint stores static activation scales ({', '.join(sorted({p for a in unapplied.values() for p in a}))}) "
             f"for {len(unapplied)} weights that ds_fpquant does not apply (it applies static per-tensor FP8 input "
-            f"scales of linears only; not FP4 activations or expert stacks): those layers run weight-only. They are "
+            f"scales only; not FP4 activations, nor experts stored as a whole stack): those layers run weight-only. They are "
             f"kept in model.ds_fpquant_activation_scales"), stacklevel=2)
     return model.eval()
 
@@ -193,6 +207,37 @@ def _static_input_scales(parts, activation_scales, reading) -> Dict[str, torch.T
                 f"with the largest, {shared.item()!r}, as vLLM's fused layer does"), stacklevel=3)
         static.update((name, shared.clone()) for name in group)
     return static
+
+
+def _expert_input_scale(target: str, by_part, inputs, reading) -> Optional[torch.Tensor]:
+    """The one static per-tensor FP8 input scale (0-dim fp32) the quantized expert stack ``target`` runs with, or
+    ``None`` (weight-only): where the checkpoint says its per-expert modules' activations are quantized statically per
+    tensor in FP8 (``reading.static_input`` of ``<...>.experts.{e}.gate_proj`` ...), the largest of all its experts'
+    stored ``input_scale`` values (gate's and up's for ``gate_up_proj``), as vLLM's FP8 MoE methods take them: their
+    ``FusedMoE.weight_loader`` keeps one input scale per expert for ``w13`` (gate and up) and ``w2``, and
+    ``process_weights_after_loading`` replaces each by its ``.max()`` over the experts, logging "Found input_scales
+    that are not equal for fp8 MoE layer. Using the maximum across experts for each layer." (vLLM
+    ``model_executor/layers/quantization/fp8.py`` ``Fp8MoEMethod``, ``compressed_tensors_moe.py``
+    ``CompressedTensorsW8A8Fp8MoEMethod``). :class:`~ds_fpquant.checkpoint.layouts.UnsharedInputScalesWarning` when
+    they differ.
+
+    Raises ``ValueError`` when some of the stack's matrices carry a static input scale and others none."""
+    static = {slot: entry for slot, entry in inputs.items() if reading.static_input(entry[0])}
+    if not static:
+        return None
+    missing = sorted(set(by_part) - set(static))
+    if missing:
+        raise ValueError(f"{target}: the checkpoint has static input_scale values for some expert matrices but not for "
+                         f"{[f'expert {e} part {p}' for e, p in missing]}; load_quantized(path, activation=None) loads "
+                         f"the experts weight-only")
+    values = [layouts.input_scale_value(entry[0], entry[2]) for _, entry in sorted(static.items())]
+    shared = torch.stack(values).max()
+    if any(not torch.equal(v, shared) for v in values):
+        distinct = sorted({v.item() for v in values})
+        warnings.warn(layouts.UnsharedInputScalesWarning(
+            f"{target}: its {len(values)} expert matrices have different static input_scale values ({distinct}); the "
+            f"stack runs with the largest, {shared.item()!r}, as vLLM's FP8 MoE layer does"), stacklevel=4)
+    return shared.clone()
 
 
 def _place(key: str, quantized, linears, keys: CheckpointKeys, reading):
@@ -219,10 +264,12 @@ def _place(key: str, quantized, linears, keys: CheckpointKeys, reading):
 
 
 def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, reading, dtype, state, backend,
-                       compute_dtype) -> None:
+                       compute_dtype, input_scale: Optional[torch.Tensor] = None) -> bool:
     """Install the expert parameter ``target`` from its per-expert matrices (``by_part[(e, part)]`` =
     ``{"weight": ..., "weight_scale_inv": ...}``): quantized ones become the module's quantized experts,
-    full-precision ones (kept by the writer) are stacked into ``state`` for the plain parameter."""
+    full-precision ones (kept by the writer) are stacked into ``state`` for the plain parameter. ``input_scale``:
+    the stack runs static per-tensor W8A8 with it (:func:`_expert_input_scale`). Returns whether the stack is
+    installed quantized."""
     module_name, pname = keys.params[target]
     module = model.get_submodule(module_name)
     n_experts, out_features, in_features = module._parameters[pname].shape
@@ -238,7 +285,7 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, readin
     if not any(is_quantized.values()):
         state[target] = torch.stack([torch.cat([by_part[(e, p)]["weight"] for p in range(n_parts)])
                                      for e in range(n_experts)])
-        return
+        return False
     if not all(is_quantized.values()):
         raise ValueError(f"{target}: some expert matrices are quantized and some are not; ds_fpquant loads an expert "
                          f"parameter whole, quantized or not")
@@ -254,7 +301,8 @@ def _load_expert_parts(model, keys: CheckpointKeys, target: str, by_part, readin
     if tuple(qts[0].shape) != (out_features, in_features):
         raise ValueError(f"{target}: the expert matrices join to {tuple(qts[0].shape)}; the model needs "
                          f"({out_features}, {in_features})")
-    _install(module, pname, target, qts, backend, compute_dtype)
+    _install(module, pname, target, qts, backend, compute_dtype, input_scale)
+    return True
 
 
 def _rows(parts: Dict[str, torch.Tensor], code_parts) -> int:
@@ -262,11 +310,13 @@ def _rows(parts: Dict[str, torch.Tensor], code_parts) -> int:
     return next(parts[p] for p in code_parts if p in parts).shape[0]
 
 
-def _install(module, pname: str, target: str, qts, backend, compute_dtype) -> None:
+def _install(module, pname: str, target: str, qts, backend, compute_dtype, input_scale=None) -> None:
     try:
-        install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend)
+        install_quantized_experts(module, pname, qts, compute_dtype=compute_dtype, backend=backend,
+                                  activation=None if input_scale is None else "e4m3", input_scale=input_scale)
     except ValueError as exc:
-        raise ValueError(f"{target}: {exc}") from None
+        hint = "" if input_scale is None else "; load_quantized(path, activation=None) loads the experts weight-only"
+        raise ValueError(f"{target}: {exc}{hint}") from None
 
 
 def _load_fused_experts(model, keys: CheckpointKeys, target: str, tensors, reading, dtype, state, backend,

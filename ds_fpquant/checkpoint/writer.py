@@ -45,7 +45,7 @@ from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
 from ds_fpquant.checkpoint.layouts import ct_write, modelopt_write
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
 from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
-from ds_fpquant.nn.quantized_params import is_weight_quantized, quantized_experts
+from ds_fpquant.nn.quantized_params import input_scale_of, is_weight_quantized, quantized_experts
 from ds_fpquant.numerics.choices import LAYOUTS as LAYOUT_CHOICES
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, resolve_granularity
 from ds_fpquant.tensor.quantize import check_settings, nvfp4_shared_tensor_scale, quantize
@@ -109,9 +109,10 @@ class _Layout:
 
     def check_static(self, static: Sequence[str], quantized: Sequence[str]) -> None:
         """``ValueError`` unless the layout can describe the static per-tensor FP8 input scales of the layers
-        ``static`` (SPEC 8.3) among the ``quantized`` ones: the fp8 layout any (``activation_scheme: "static"``, per
-        layer with an ``input_scale``); compressed-tensors and ModelOpt one scheme for all (``input_activations``
-        static per tensor; ModelOpt's ``FP8``, per-tensor weights); ds_fpquant's layout none."""
+        ``static`` (SPEC 8.3) among the ``quantized`` ones (linears and expert stacks, by name): the fp8 layout any
+        (``activation_scheme: "static"``, per layer with an ``input_scale``); compressed-tensors and ModelOpt one
+        scheme for all (``input_activations`` static per tensor; ModelOpt's ``FP8``, per-tensor weights); ds_fpquant's
+        layout none."""
         if not static or self.method == FP8_METHOD:
             return
         fix = "load the model with activation=None for weight-only layers, or write layout='fp8'"
@@ -446,6 +447,18 @@ def _shared_input_scales(model: torch.nn.Module, layers) -> Dict[str, torch.Tens
     return scales
 
 
+def _stack_input_scales(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """``<module>.<param>`` -> the static per-tensor input scale (0-dim fp32, on the CPU) of each quantized expert
+    stack that runs static W8A8 (SPEC 8.3): one per stack, written under each of its per-expert keys."""
+    scales = {}
+    for name, module in model.named_modules():
+        for pname in quantized_experts(module):
+            scale = input_scale_of(module, pname)
+            if scale is not None:
+                scales[f"{name}.{pname}" if name else pname] = scale.detach().cpu().clone()
+    return scales
+
+
 def _write_quantized(writer: "ShardWriter", base: str, qt, writing: _Layout) -> None:
     """Add the tensors of ``qt`` as ``<base>.weight``, ``<base>.weight_scale_inv`` / ``.weight_scale`` / ... ."""
     for part_name, part in writing.parts(qt, base).items():
@@ -484,7 +497,9 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     the per-expert keys the model is released with, ``config.json`` with ``quantization_config``.
     ``model.save_pretrained(directory)`` of a quantized model calls this. Static W8A8 layers (an ``input_scale``,
     SPEC 8.3) add ``<m>.input_scale`` (fp32, 0-dim; a fused group's, q/k/v or gate/up, shared: the largest, so
-    vLLM's max of the shards changes nothing) and ``activation_scheme: "static"``.
+    vLLM's max of the shards changes nothing) and ``activation_scheme: "static"``; static W8A8 expert stacks write
+    their one scale as the ``input_scale`` of every per-expert matrix (``mlp.experts.{e}.gate_proj.input_scale``
+    ...), so vLLM's max over the experts gives it back (a stack without per-expert keys: ``ValueError``).
 
     Args:
         model: a transformers ``PreTrainedModel`` with quantized layers, all with one format and scaling
@@ -555,11 +570,12 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     layer_of = {id(model.get_submodule(name)): name for name in layers}
     layer_keys = ("weight_codes", "weight_scales", "weight_tensor_scale", "bias", "_extra_state", "input_scale")
     input_scales = _shared_input_scales(model, layers)
-    writing.check_static(list(input_scales), list(layers))
+    stack_inputs = _stack_input_scales(model)
+    writing.check_static([*input_scales, *stack_inputs], [*layers, *stacks])
     stack_of = {}
     for name in stacks:
         owner, _, pname = name.rpartition(".")
-        for suffix in ("codes", "scales", "tensor_scale"):
+        for suffix in ("codes", "scales", "tensor_scale", "input_scale"):
             stack_of[(id(model.get_submodule(owner)), f"{pname}_{suffix}")] = f"{name}_{suffix}"
 
     def quantized_part(key: str) -> Optional[str]:
@@ -573,6 +589,18 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     def expert_rows(names, e: int):
         """(part, checkpoint key, rows) of expert ``e``'s matrices, gate before up."""
         return sorted((part.part, key, rows) for key, (part, rows) in names.items() if part.expert == e)
+
+    block_rows = block_size[0] if block_size else 1
+    per_expert = {}  # stack -> its per-expert keys, or None: stored as a stack
+    for name, experts in stacks.items():
+        names = keys.unfuse(name, (len(experts), *experts[0].shape))
+        ok = names and all(rows % block_rows == 0 for _, _, rows in expert_rows(names, 0)[:-1])
+        per_expert[name] = names if ok else None
+    whole = [name for name in stack_inputs if per_expert[name] is None]
+    if whole:
+        raise ValueError(f"these static W8A8 expert stacks (an input_scale) would be stored as whole (E, ...) stacks, "
+                         f"which no layout gives an input_scale: {whole} (they have no per-expert keys, or a block of "
+                         f"rows spans gate and up); load the model with activation=None for weight-only experts")
 
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
@@ -603,13 +631,15 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
             bytes_after += qt.nbytes
         for name, experts in stacks.items():
             shape = (len(experts), *experts[0].shape)
-            names = keys.unfuse(name, shape)
-            block_rows = block_size[0] if block_size else 1
-            if names and all(rows % block_rows == 0 for _, _, rows in expert_rows(names, 0)[:-1]):
+            names = per_expert[name]
+            if names:
                 for e, qt in enumerate(experts):
                     parts = expert_rows(names, e)
                     for (_, key, _), piece in zip(parts, split_rows(qt, [rows for _, _, rows in parts])):
                         _write_quantized(writer, key[:-len(".weight")], piece, writing)
+                        if name in stack_inputs:  # the stack's one scale under each expert matrix's key
+                            writer.add(key[:-len(".weight")] + ".input_scale",
+                                       writing.input_scale_part(stack_inputs[name]).clone())
             else:  # no per-expert keys for this model, or a block of rows spans gate and up: stored as a stack
                 _write_stack(writer, name, experts, writing)
             bytes_before += math.prod(shape) * experts[0].dtype.itemsize
@@ -619,7 +649,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
                      "scale_format": scale_format}
         not_converted = [n for n in linears if n not in layers] + [n for n in keys.params if n not in stacks]
         qconfig = writing.qconfig(described, not_converted, linears, [n for n in layers if linears.get(n)],
-                                  str(next(iter(qts.values())).dtype).replace("torch.", ""), static=bool(input_scales))
+                                  str(next(iter(qts.values())).dtype).replace("torch.", ""),
+                                  static=bool(input_scales or stack_inputs))
         write_model_config(directory, model, qconfig)
         writing.write_files(directory, qconfig)
     except BaseException:

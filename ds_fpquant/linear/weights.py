@@ -48,7 +48,8 @@ class QuantizedWeight(DequantizingTensor):
     """An ``(out, in)`` weight held as codes + scales, standing in for ``module.weight`` in layers whose
     forward is ``torch.matmul(x, self.weight.transpose(-1, -2))`` or ``F.linear(x, self.weight)``
     (DeepSpeed's AutoTP ``LinearLayer`` / ``LinearAllreduce``): those calls run :func:`linear` (the
-    fused op on CPU tensors). Any other use of the tensor sees ``dequantize(qt, dtype)``.
+    fused op on CPU tensors). Any other use of the tensor sees ``dequantize(qt, dtype)``. ``activation`` and
+    ``input_scale`` (a 0-dim fp32 tensor: static per-tensor W8A8, SPEC 8.3) go to :func:`linear` as given.
 
     A tensor subclass without storage (``torch.Tensor._make_wrapper_subclass``): shape, dtype and
     device are the dequantized weight's.
@@ -56,17 +57,17 @@ class QuantizedWeight(DequantizingTensor):
 
     @staticmethod
     def __new__(cls, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False,
-                activation: Optional[str] = None):
+                activation: Optional[str] = None, input_scale: Optional[torch.Tensor] = None):
         n, k = qt.shape
         self = torch.Tensor._make_wrapper_subclass(cls, (k, n) if transposed else (n, k), dtype=dtype,
                                                    device=qt.codes.device, requires_grad=False)
         # plain attributes: the Tensor properties (dtype, shape) of a subclass go through __torch_function__
         self.qt, self.backend, self.transposed, self.weight_dtype = qt, backend, transposed, dtype
-        self.activation = activation
+        self.activation, self.input_scale = activation, input_scale
         return self
 
     def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, backend: str = "auto", transposed: bool = False,
-                 activation: Optional[str] = None):
+                 activation: Optional[str] = None, input_scale: Optional[torch.Tensor] = None):
         super().__init__()
 
     def __repr__(self, *, tensor_contents=None):
@@ -79,7 +80,8 @@ class QuantizedWeight(DequantizingTensor):
         return w.t() if self.transposed else w
 
     def _flipped(self) -> "QuantizedWeight":
-        return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed, self.activation)
+        return type(self)(self.qt, self.weight_dtype, self.backend, not self.transposed, self.activation,
+                          self.input_scale)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -93,13 +95,15 @@ class QuantizedWeight(DequantizingTensor):
             x, w = args
             if isinstance(w, cls) and w.transposed and isinstance(x, torch.Tensor) and not isinstance(x, cls):
                 # in the weight's (compute) dtype, returned in x's, as FPQuantizedLinear.forward does
-                return linear(x.to(w.weight_dtype), w.qt, backend=w.backend, activation=w.activation).to(x.dtype)
+                return linear(x.to(w.weight_dtype), w.qt, backend=w.backend, activation=w.activation,
+                              input_scale=w.input_scale).to(x.dtype)
         if func is F.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if not isinstance(args[0], cls) and not isinstance(bias, cls):
                 x = args[0]
                 w = args[1]
-                return linear(x.to(w.weight_dtype), w.qt, bias, backend=w.backend, activation=w.activation).to(x.dtype)
+                return linear(x.to(w.weight_dtype), w.qt, bias, backend=w.backend, activation=w.activation,
+                              input_scale=w.input_scale).to(x.dtype)
         return cls._dense_call(func, args, kwargs)
 
 
@@ -110,19 +114,22 @@ class QuantizedExperts(DequantizingTensor):
     ``transposed=True``: the parameter it stands in for is ``(E, in, out)`` (gpt-oss's ``GptOssExperts``,
     whose forward is ``x @ w[e]``); each expert's :class:`QuantizedTensor` is still its ``(out, in)`` matrix
     (groups along ``in``), and ``experts[e]`` is that weight transposed, so ``x @ experts[e]`` runs the
-    quantized linear."""
+    quantized linear.
+
+    ``input_scale`` (a 0-dim fp32 tensor, with ``activation="e4m3"``): the stack's one static per-tensor activation
+    scale (SPEC 8.3), given to every expert's :class:`QuantizedWeight`."""
 
     @staticmethod
     def __new__(cls, experts: List[QuantizedTensor], dtype: torch.dtype, backend: str = "auto",
-                activation: Optional[str] = None, transposed: bool = False):
+                activation: Optional[str] = None, transposed: bool = False, input_scale: Optional[torch.Tensor] = None):
         n, k = experts[0].shape
         self = torch.Tensor._make_wrapper_subclass(cls, (len(experts), k, n) if transposed else (len(experts), n, k),
                                                    dtype=dtype, device=experts[0].codes.device, requires_grad=False)
         self.experts, self.weight_dtype, self.backend, self.activation = experts, dtype, backend, activation
-        self.transposed = transposed
+        self.transposed, self.input_scale = transposed, input_scale
         return self
 
-    def __init__(self, experts, dtype, backend="auto", activation=None, transposed=False):
+    def __init__(self, experts, dtype, backend="auto", activation=None, transposed=False, input_scale=None):
         super().__init__()
 
     def __repr__(self, *, tensor_contents=None):
@@ -144,5 +151,5 @@ class QuantizedExperts(DequantizingTensor):
             if isinstance(index, int):
                 self = args[0]
                 return QuantizedWeight(self.experts[index], self.weight_dtype, self.backend, self.transposed,
-                                       activation=self.activation)
+                                       activation=self.activation, input_scale=self.input_scale)
         return cls._dense_call(func, args, kwargs)

@@ -55,7 +55,8 @@ def expert_matrix(module: torch.nn.Module, stack: torch.Tensor, e: int) -> torch
 
 def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4m3", group_size: Optional[int] = None,
                               *, compute_dtype: Optional[str] = None, backend: str = "auto",
-                              activation: Optional[str] = None, **quantize_kwargs) -> Tuple[int, int]:
+                              activation: Optional[str] = None, input_scale: Optional[torch.Tensor] = None,
+                              **quantize_kwargs) -> Tuple[int, int]:
     """Quantize the 3-D expert parameter ``module.<name>`` ``(E, out, in)`` (``(E, in, out)`` for transposed
     experts, quantized as the ``(out, in)`` matrices), each expert on its own.
 
@@ -66,12 +67,12 @@ def quantize_experts_in_place(module: torch.nn.Module, name: str, fmt: str = "e4
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
         raise ValueError(f"{type(module).__name__}.{name} must be a 3-D (experts, out, in) parameter to be "
                          f"quantized as experts")
-    check_activation(activation)
+    check_activation(activation, input_scale=input_scale)
     experts = [quantize(expert_matrix(module, weight.detach(), e), fmt, group_size, backend=backend, **quantize_kwargs)
                for e in range(weight.shape[0])]
     before = weight.numel() * weight.element_size()
     install_quantized_experts(module, name, experts, compute_dtype=compute_dtype, backend=backend,
-                              activation=activation)
+                              activation=activation, input_scale=input_scale)
     return before, sum(qt.nbytes for qt in experts)
 
 
@@ -83,7 +84,7 @@ def _layout(qt: QuantizedTensor) -> tuple:
 
 def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[QuantizedTensor], *,
                               compute_dtype: Optional[str] = None, backend: str = "auto",
-                              activation: Optional[str] = None) -> None:
+                              activation: Optional[str] = None, input_scale: Optional[torch.Tensor] = None) -> None:
     """Make ``module.<name>`` (a 3-D expert parameter, or its place on the meta device) the quantized
     experts ``experts`` (one :class:`QuantizedTensor` per expert of its ``(out, in)`` matrix,
     :func:`expert_matrix_shape`, all of one shape and layout): the
@@ -91,10 +92,15 @@ def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[
     Used by :func:`quantize_experts_in_place` and by :func:`ds_fpquant.load_quantized`, which passes the
     codes and scales read from a checkpoint (no full-precision expert tensor is made).
 
-    Raises ``ValueError`` for experts of different shapes or layouts, or W8A8 (``activation``) settings
-    the weights do not allow, before ``module`` is changed.
+    Static per-tensor W8A8 (SPEC 8.3): ``activation="e4m3"`` with ``input_scale``, one 0-dim fp32 scale (finite, > 0)
+    for the whole stack, kept as the buffer ``<name>_input_scale`` (fp32 under ``model.half()``); every expert's
+    ``F.linear`` then runs :func:`~ds_fpquant.linear.w8a8.static_w8a8_linear` with it. Only e4m3 experts with fp32
+    scales.
+
+    Raises ``TypeError`` / ``ValueError`` for experts of different shapes or layouts, or W8A8 (``activation``,
+    ``input_scale``) settings the weights do not allow, before ``module`` is changed.
     """
-    check_activation(activation, experts[0])
+    check_activation(activation, experts[0], input_scale)
     first = experts[0]
     held = module._parameters.get(name)
     if isinstance(held, torch.Tensor) and held.dim() == 3 and (
@@ -106,7 +112,7 @@ def install_quantized_experts(module: torch.nn.Module, name: str, experts: List[
         raise ValueError(f"{type(module).__name__}.{name}: every expert must have the shape and layout of expert 0 "
                          f"({_layout(first)}); experts {odd} differ")
     install(module, name, experts, stacked=True, compute_dtype=compute_dtype, backend=backend, activation=activation,
-            transposed=is_transposed_experts(module))
+            transposed=is_transposed_experts(module), input_scale=input_scale)
     # transformers' grouped_mm / batched_mm experts implementations multiply the whole 3-D weight; the
     # eager forward (the one decorated by use_experts_implementation) loops over the routed experts and
     # calls F.linear(x, weight[e]): per instance, that loop runs, each expert through the quantized linear

@@ -6,6 +6,11 @@ A parameter ``<name>`` is stored as ``uint8`` buffers, so that ``model.half()`` 
 little-endian bytes, SPEC 6.1; E8M0 bytes and NVFP4 e4m3 codes as they are) and, for NVFP4, ``<name>_tensor_scale``
 (the fp32 tensor scale's 4 bytes). A stack has one more leading dimension, one row per expert.
 
+A parameter that runs static per-tensor W8A8 (``activation="e4m3"`` with an ``input_scale``, SPEC 8.3; expert stacks:
+one scale for the whole stack) adds ``<name>_input_scale``, a 0-dim fp32 buffer in the state dict, checked finite and
+> 0 when installed and when a state dict is loaded; ``model.half()`` / ``.to(dtype)`` keep its fp32 bits (only its
+device follows: :class:`KeepInputScales`, the module's ``_apply``).
+
 In-place quantized parameters (:func:`install`) are presented to the module's own forward by a forward pre-hook:
 ``module.<name>`` is then a :class:`~ds_fpquant.linear.weights.QuantizedWeight` (a stack: a
 :class:`~ds_fpquant.linear.weights.QuantizedExperts`), whose ``F.linear`` / ``matmul`` run the fused quantized
@@ -18,13 +23,13 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ds_fpquant.linear.w8a8 import check_activation
+from ds_fpquant.linear.w8a8 import check_activation, check_input_scale
 from ds_fpquant.linear.weights import QuantizedExperts, QuantizedWeight
 from ds_fpquant.numerics.choices import COMPUTE_DTYPE_NAMES
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["COMPUTE_DTYPES", "register_buffers", "buffer_views", "layout", "install", "quantized_params",
-           "is_weight_quantized", "quantized_experts"]
+           "is_weight_quantized", "quantized_experts", "input_scale_of", "KeepInputScales"]
 
 #: ``compute_dtype`` name -> dtype (the names: :data:`ds_fpquant.numerics.choices.COMPUTE_DTYPE_NAMES`).
 COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
@@ -73,22 +78,60 @@ def buffer_views(module: torch.nn.Module, name: str, meta: Dict, stacked: bool) 
 
 
 def install(module: torch.nn.Module, name: str, qts: Sequence[QuantizedTensor], *, stacked: bool,
-            compute_dtype: Optional[str], backend: str, activation: Optional[str], transposed: bool = False) -> None:
+            compute_dtype: Optional[str], backend: str, activation: Optional[str], transposed: bool = False,
+            input_scale: Optional[torch.Tensor] = None) -> None:
     """Replace the parameter ``module.<name>`` (if any) by the buffers of ``qts`` (one weight, or ``stacked``: one per
     expert, all of one layout) and present them to the module's forward (the hooks of the module docstring). The
     caller has checked that the ``qts`` agree; ``activation`` is checked here (W8A8 needs fitting weights).
     ``transposed`` (stacks only): the parameter is ``(E, in, out)`` and each of ``qts`` its expert's ``(out, in)``
-    matrix (:class:`~ds_fpquant.linear.weights.QuantizedExperts` ``transposed``)."""
-    check_activation(activation, qts[0])
+    matrix (:class:`~ds_fpquant.linear.weights.QuantizedExperts` ``transposed``). ``input_scale`` (0-dim fp32, finite,
+    > 0, with ``activation="e4m3"`` and e4m3 weights with fp32 scales): static per-tensor W8A8 (SPEC 8.3), the buffer
+    ``<name>_input_scale``; ``TypeError`` / ``ValueError`` otherwise (:func:`~ds_fpquant.linear.w8a8.check_activation`),
+    before ``module`` is changed."""
+    for qt in qts[:1] if input_scale is None else qts:  # one layout (caller-checked); static: every weight's format
+        check_activation(activation, qt, input_scale)
     module._parameters.pop(name, None)
     register_buffers(module, name, qts, stacked)
+    if input_scale is not None:
+        module.register_buffer(f"{name}_input_scale", input_scale.detach().clone())
+        if not isinstance(module.__dict__.get("_apply"), KeepInputScales):
+            module._apply = KeepInputScales(module)
     setattr(module, name, None)
     params = module.__dict__.setdefault(_PARAMS, {})
     params[name] = dict(layout(qts[0]), stacked=stacked, transposed=transposed, backend=backend, activation=activation,
-                        compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None)
+                        compute_dtype=COMPUTE_DTYPES[compute_dtype] if compute_dtype else None,
+                        static=input_scale is not None)
     if len(params) == 1:  # one pair of hooks per module, for all its quantized parameters
         module.register_forward_pre_hook(_materialize)
         module.register_forward_hook(_release)
+        module.register_load_state_dict_post_hook(_check_loaded_scales)
+
+
+def input_scale_of(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The static per-tensor activation scale (0-dim fp32 buffer ``<name>_input_scale``) of the in-place quantized
+    parameter ``name`` of ``module``, or ``None`` (weight-only or dynamic W8A8)."""
+    meta = quantized_params(module).get(name)
+    return getattr(module, f"{name}_input_scale") if meta is not None and meta.get("static") else None
+
+
+class KeepInputScales:
+    """``module._apply`` of a module holding ``<name>_input_scale`` buffers: ``nn.Module._apply`` (what ``.half()``,
+    ``.to()``, ``.cuda()`` run), but those buffers keep their fp32 bits under dtype casts; only their device follows.
+    A plain object rather than a closure or bound method, so that the module pickles and deep-copies."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, fn, recurse=True):
+        module = self.module
+        kept = {f"{name}_input_scale": module._buffers[f"{name}_input_scale"]
+                for name, meta in quantized_params(module).items() if meta.get("static")}
+        result = type(module)._apply(module, fn, recurse)
+        for key, scale in kept.items():
+            moved = module._buffers[key]
+            if moved is not None and moved.dtype != scale.dtype:
+                module._buffers[key] = scale.to(moved.device)
+        return result
 
 
 def quantized_params(module: torch.nn.Module) -> Dict[str, Dict]:
@@ -116,12 +159,22 @@ def _materialize(module, args):
     for name, meta in quantized_params(module).items():
         dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
         views = buffer_views(module, name, meta, meta["stacked"])
-        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"], meta.get("transposed", False))
+        scale = input_scale_of(module, name)
+        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"], meta.get("transposed", False),
+                                   input_scale=scale)
                   if meta["stacked"] else
-                  QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"]))
+                  QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"], input_scale=scale))
         setattr(module, name, weight)
 
 
 def _release(module, args, output):
     for name in quantized_params(module):
         setattr(module, name, None)
+
+
+def _check_loaded_scales(module, incompatible_keys):
+    """After ``load_state_dict``: each static input scale checked as :func:`install` checks it."""
+    for name in quantized_params(module):
+        scale = input_scale_of(module, name)
+        if scale is not None:
+            check_input_scale(scale)

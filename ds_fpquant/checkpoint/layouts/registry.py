@@ -20,15 +20,17 @@ __all__ = ["Reading", "StaticActivationScalesWarning", "UnsharedInputScalesWarni
 
 class StaticActivationScalesWarning(UserWarning):
     """The checkpoint stores static activation scales that ds_fpquant does not apply (NVFP4's ``input_scale`` /
-    ``input_global_scale``: FP4 activations; FP8 ``input_scale`` of expert stacks or of schemes other than static
-    per-tensor FP8): it loads the weights and records the scales (``model.ds_fpquant_activation_scales``); those
-    layers run weight-only. Static per-tensor FP8 ``input_scale`` of linears is applied (static W8A8), not warned."""
+    ``input_global_scale``: FP4 activations; FP8 ``input_scale`` of schemes other than static per-tensor FP8): it
+    loads the weights and records the scales (``model.ds_fpquant_activation_scales``); those layers run weight-only.
+    Static per-tensor FP8 ``input_scale`` of linears and of per-expert matrices is applied (static W8A8; an expert
+    stack takes the largest of its experts'), not warned."""
 
 
 class UnsharedInputScalesWarning(UserWarning):
     """Linears that vLLM fuses (q/k/v, gate/up: :data:`~ds_fpquant.nn.model_walk.FUSED_LINEARS`) have different
     static ``input_scale`` values in the checkpoint; :func:`~ds_fpquant.load_quantized` gives each the largest, as
-    vLLM does (the stored values stay in ``model.ds_fpquant_activation_scales``)."""
+    vLLM does (the stored values stay in ``model.ds_fpquant_activation_scales``). Likewise the experts of one MoE
+    expert stack (gate and up included): the stack runs with the largest, as vLLM's FP8 MoE layer does."""
 
 
 @dataclass

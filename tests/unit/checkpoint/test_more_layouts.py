@@ -257,7 +257,11 @@ def write_ct_moe_checkpoint(model, preset: str, out):
                 joint = torch.cat([modules[m].weight.data.reshape(-1) for m in groups.get(name, [name])])
                 global_scale = generate_gparam(joint.amin(), joint.amax())
                 module.weight_global_scale.data.copy_(global_scale)
-            if args.strategy == QuantizationStrategy.BLOCK:
+            if args.strategy == QuantizationStrategy.TENSOR:  # FP8: one scale per weight
+                lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+            elif args.strategy == QuantizationStrategy.CHANNEL:  # one scale per output row
+                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            elif args.strategy == QuantizationStrategy.BLOCK:
                 br, bc = args.block_structure
                 n, k = w.shape
                 blocks = torch.nn.functional.pad(w, (0, -k % bc, 0, -n % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
