@@ -6,11 +6,11 @@ takes it; ``activation=None`` keeps them weight-only; ``save_quantized`` writes 
 per-expert key and reads back bit for bit."""
 
 import json
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from unit.checkpoint.test_static_activation_checkpoints import _load, _of
 from unit.linear_bound import assert_product_within_bound, exact_weight
 from unit.moe_models import tiny_qwen3_moe
 from unit.safetensors_files import read_tensors
@@ -26,17 +26,6 @@ from ds_fpquant.nn.quantized_params import input_scale_of, quantized_experts
 
 BASE = "model.layers.1.mlp.experts"  # tiny_qwen3_moe: layer 1 is the MoE layer, 4 experts
 PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def _load(path, **kwargs):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = fpq.load_quantized(path, **kwargs)
-    return model, caught
-
-
-def _of(caught, category):
-    return [w for w in caught if issubclass(w.category, category)]
 
 
 def _stored_max(tensors, pname):
