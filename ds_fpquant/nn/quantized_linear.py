@@ -112,6 +112,14 @@ class FPQuantizedLinear(torch.nn.Module):
                 "scale_format": self.scale_format, "block": self.block, "activation": self.activation,
                 "static": self.static, "orig_dtype": str(self.orig_dtype).replace("torch.", "")}
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """As ``nn.Module``'s, but a static layer's incoming ``input_scale`` is checked before it is copied: a refused
+        load leaves the layer's scale as it was."""
+        incoming = state_dict.get(prefix + "input_scale")
+        if self.static and isinstance(incoming, torch.Tensor):
+            check_input_scale(incoming)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         mine = self.get_extra_state()
         if state.get("activation") != self.activation:  # W8A8 changes the numerics: never switched silently

@@ -249,3 +249,17 @@ def test_scaled_mm_arguments_hold_the_same_math(granularity):
     w = exact_weight(qt)
     ref, size = x_exact @ w.T, x_exact.abs() @ w.abs().T
     assert bool(((y.double() - ref).abs() <= 2 * (256 + 2) * 2.0**-24 * size).all())
+
+
+def test_refused_state_dict_leaves_the_input_scale_alone():
+    """A state dict whose input_scale is refused (SPEC 8.3: finite, > 0) does not overwrite the layer's scale."""
+    import ds_fpquant as fpq
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+    layer = FPQuantizedLinear(fpq.quantize(torch.randn(64, 64), "e4m3", 128), None, activation="e4m3",
+                              input_scale=torch.tensor(0.05))
+    for bad in (torch.tensor(-1.0), torch.tensor(float("nan")), torch.tensor(0.0)):
+        state = dict(layer.state_dict(), input_scale=bad)
+        with pytest.raises(ValueError, match="input_scale"):
+            layer.load_state_dict(state)
+        assert layer.input_scale.item() == torch.tensor(0.05).item()
