@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ds_fpquant.checkpoint.layouts.compressed_tensors import METHOD
+from ds_fpquant.checkpoint.layouts.compressed_tensors.read import METHOD
 from ds_fpquant.numerics.formats import WHOLE
 from ds_fpquant.version import __version__
 
