@@ -373,6 +373,8 @@ GEMV = KernelModel(
 
 #: Every kernel family the script counts; a family none of whose functions is in the SASS is skipped.
 MODELS: Tuple[KernelModel, ...] = (GEMV,)
+#: The functions of the listing the script reads (mangled names containing this); a family's kernels must be among them.
+FUNCTIONS = "gemv"
 
 #: The stated launches (issue 37): two layer shapes (N x K), three scale layouts, M = 1, 2, 4, 8, 16 where the family
 #: has them, every x dtype; NVFP4 for e2m1 only.
@@ -1215,16 +1217,16 @@ def main(argv=None) -> int:
             keep.mkdir(parents=True, exist_ok=True)
             for name, text in (("kernels.sass", sass), ("res_usage.txt", usage), ("ptxas.log", log)):
                 (keep / name).write_text(text)
-    functions = {n: ins for n, ins in split_functions(sass).items() if "gemv" in n}
+    functions = {n: ins for n, ins in split_functions(sass).items() if FUNCTIONS in n}
     if args.cfg:
         n, k = (int(v) for v in args.shape.lower().split("x"))
         print(cfg_listing(functions, args.cfg, shape=(n, k), group_size=args.group_size,
                           scale_format=args.scale_format, m=args.m, bias=args.bias))
         return 0
-    loop_rows = _budgets(functions, usage, log, "gemv")
+    loop_rows = _budgets(functions, usage, log, FUNCTIONS)
     print("Loop only (issue 28): the steady-state loop's static count, per instantiation\n")
     print(table(loop_rows))
-    static = {r.mangled: r.instructions_per_weight for r in loop_rows}
+    static = {r.mangled: r.instructions_per_weight for r in loop_rows if math.isfinite(r.instructions_per_weight)}
     rows = whole_kernel(functions, usage, log, static=static)
     shown = [r for r in rows if not args.x_dtype or r.x_dtype in args.x_dtype]
     print("\nWhole kernel (issue 37): executed lane instructions per weight, per launch\n")
