@@ -1232,7 +1232,7 @@ def main(argv=None) -> int:
     print("\nWhole kernel (issue 37): executed lane instructions per weight, per launch\n")
     print(launch_table(shown))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(asdict(r)) for r in rows) + "\n]\n")  # a row a line
     return 0
 
 
