@@ -43,7 +43,7 @@ Usage::
 
     CUDA_HOME=/usr/local/cuda python scripts/sass_budget.py [--json OUT.json] [--keep DIR]
     python scripts/sass_budget.py --sass DIR/kernels.sass --res-usage DIR/res_usage.txt --ptxas DIR/ptxas.log
-    python scripts/sass_budget.py --sass ... --cfg 'E2ELi1E.*Bf16ELi1ELb1E'   # a function's CFG, loops, branches
+    python scripts/sass_budget.py --sass ... --cfg 'Li4ELi3E.*Bf16ELi1ELb1E'  # one function's CFG and block counts
 
 ``--sass``/``--res-usage``/``--ptxas`` read a listing made before (``--keep`` writes one) instead of building. Exit
 status 0; the budgets are asserted by ``tests/unit/ops/fp_quantizer/test_op_builders.py``, the counter itself on
@@ -122,23 +122,24 @@ class Branch:
     branch's block, the fraction after which the warp runs the blocks of that side (the blocks control dependent on
     that edge); a warp whose lanes disagree runs both, so the two may add up to more than 1. A side with no blocks of
     its own (it goes straight to the join, to an ``EXIT``, to the back edge) needs no fraction: use :func:`Skip` or
-    :func:`Exit`, which also check the polarity. ``match``: a regex that :func:`describe_branch`'s text of the branch
-    must contain, to check that the rule sits on the branch meant (say, the side with the division).
+    :func:`Exit`, which also check the polarity. ``match``: a regex (or a function of ``d`` giving one) searched in
+    :func:`describe_branch`'s text of the branch followed by `` | block: `` and its block's instructions, to check
+    that the rule sits on the branch meant (the side with the division, a guard's constant).
     """
     what: str
     taken: Number = 0.0
     fallthrough: Number = 1.0
-    match: str = ""
+    match: Union[str, Callable[[Any], str]] = ""
     kind: str = "branch"  # "skip": the taken side has no blocks; "exit": a conditional EXIT; "branch": two sides
 
 
-def Skip(what: str, run: Number, match: str = "") -> Branch:
+def Skip(what: str, run: Number, match: Union[str, Callable[[Any], str]] = "") -> Branch:
     """A branch around a piece of code (``@P BRA join``): `run` is the fraction of executions after which the warp
     runs the fall-through side. The taken side must have no blocks of its own."""
     return Branch(what, 0.0, run, match, "skip")
 
 
-def Exit(what: str, stay: Number, match: str = "") -> Branch:
+def Exit(what: str, stay: Number, match: Union[str, Callable[[Any], str]] = "") -> Branch:
     """A conditional ``EXIT``: `stay` is the fraction of executions after which the warp goes on (some lane stays)."""
     return Branch(what, 0.0, stay, match, "exit")
 
@@ -354,9 +355,11 @@ GEMV = KernelModel(
     runs=_gemv_runs,
     derive=_gemv_derive,
     body=Loop("kernel", 1, _gemv_top_branches, loops=(
-        Loop("tile", lambda d: d.tiles, lambda d: [
-            Skip("threadIdx.x >= kTile * kCodes: no x staging", run=d.x_run),
-            Skip("threadIdx.x >= 8 * kTile: no scale staging", run=d.s_run),
+        Loop("tile", lambda d: d.tiles, lambda d: [  # the staging guards' constants check the model's kTile
+            Skip("threadIdx.x >= kTile * kCodes: no x staging", run=d.x_run,
+                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {d.tile * d.codes - 1:#x}, PT"),
+            Skip("threadIdx.x >= 8 * kTile: no scale staging", run=d.s_run,
+                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {_GEMV_WARPS * d.tile - 1:#x}, PT"),
             Skip("!has_row: no weight loop", run=d.row_warps),
             Skip("f0 + lane >= f_end: the weight loop's guard", run=1.0)], loops=(
             Loop("x staging", lambda d: d.x_trips, _gemv_x_branches),
@@ -739,8 +742,10 @@ def weigh(cfg: CFG, model: KernelModel, d: Any) -> Count:
             if rule.kind == "skip" and side_nodes(reg, x, "taken"):
                 raise ModelMismatch(f"{where}: {rule.what!r} is declared a skip (taken side empty), the SASS has "
                                     f"{text}")
-            if rule.match and not re.search(rule.match, text):
-                raise ModelMismatch(f"{where}: {rule.what!r} should match {rule.match!r}, the SASS has {text}")
+            pattern = rule.match(d) if callable(rule.match) else rule.match
+            haystack = text + " | block: " + " ; ".join(t for _, t in cfg.blocks[x[1]].instructions)
+            if pattern and not re.search(pattern, haystack):
+                raise ModelMismatch(f"{where}: {rule.what!r} should match {pattern!r}, the SASS has {haystack}")
             fraction[x] = {"taken": _value(rule.taken, d), "fallthrough": _value(rule.fallthrough, d)}
         trips = _value(declared.trips, d)
         freq = {reg.entry: entries * trips}
