@@ -1233,9 +1233,11 @@ def main(argv=None) -> int:
     print(table(loop_rows))
     static = {r.mangled: r.instructions_per_weight for r in loop_rows if math.isfinite(r.instructions_per_weight)}
     rows = whole_kernel(functions, usage, log, static=static)
-    shown = [r for r in rows if not args.x_dtype or r.x_dtype in args.x_dtype]
-    print("\nWhole kernel (issue 37): executed lane instructions per weight, per launch\n")
-    print(launch_table(shown))
+    for model in MODELS:
+        shown = [r for r in rows if r.family == model.family and (not args.x_dtype or r.x_dtype in args.x_dtype)]
+        if shown:
+            print(f"\nWhole kernel (issue 37), {model.family}: executed lane instructions per weight, per launch\n")
+            print(launch_table(shown, model.phases))
     if args.json:
         Path(args.json).write_text("[\n" + ",\n".join(json.dumps(asdict(r)) for r in rows) + "\n]\n")  # a row a line
     return 0
