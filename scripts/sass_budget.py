@@ -313,7 +313,8 @@ def _gemv_top_branches(d: SimpleNamespace) -> List[Branch]:
                       Branch("a.bias == nullptr", taken=float(not d.launch.bias), fallthrough=float(d.launch.bias),
                              match=r"fallthrough: [^|]*LDG")]
     for r in range(d.rows - 1):
-        out.append(Skip(f"lane == {r} && {r} < rows_x: the store of row {r}", run=float(r < d.m), match=r"fallthrough: [^|]*STG"))
+        out.append(Skip(f"lane == {r} && {r} < rows_x: the store of row {r}", run=float(r < d.m),
+                        match=r"fallthrough: [^|]*STG"))
         if r == 0 and d.rows == 8 and d.inst.dtype == "fp16":  # nvcc 13.0 predicates the bias load elsewhere
             out.append(Branch("a.bias == nullptr (row 0)", taken=float(not d.launch.bias),
                               fallthrough=float(d.launch.bias), match=r"fallthrough: [^|]*LDG"))
@@ -322,7 +323,8 @@ def _gemv_top_branches(d: SimpleNamespace) -> List[Branch]:
 
 
 def _gemv_x_branches(d: SimpleNamespace) -> List[Branch]:
-    out = [Skip("f >= n_chunks: a zero-filled position (no group division)", run=d.x_valid, match=r"fallthrough: [^|]*I2F")]
+    out = [Skip("f >= n_chunks: a zero-filled position (no group division)", run=d.x_valid,
+                match=r"fallthrough: [^|]*I2F")]
     if d.rows == 1:  # wider instantiations predicate the loads of x
         out.append(Skip("!valid || m >= rows_x: no load of x", run=d.x_load, match=r"fallthrough: [^|]*LDG"))
     return out
@@ -549,7 +551,8 @@ class CFG:
             for t in self.successors(s):
                 if rank[t] <= rank[s]:
                     if t not in dom[s]:
-                        raise ValueError(f"irreducible control flow: {s:#06x} -> {t:#06x} enters a loop not at its head")
+                        raise ValueError(f"irreducible control flow: {s:#06x} -> {t:#06x} enters a loop not at its "
+                                         "head")
                     self.back_edges.append((s, t))
 
     def _loops(self) -> None:

@@ -306,8 +306,8 @@ ENFORCED_BUDGETS = {"gemv_kernel<F, T, kRows, kFull>": TODAY_CEILINGS}
 
 
 def test_gemv_sass_instruction_budget(tmp_path):
-    """scripts/sass_budget.py on the CUDA op's kernels built for sm_90 with the builder's flags: per GEMV family, one row
-    per launch the script states (every format, x dtype, M <= the family's largest, 4096x4096 and 11008x4096, G=128
+    """scripts/sass_budget.py on the CUDA op's kernels built for sm_90 with the builder's flags: per GEMV family, one
+    row per launch the script states (every format, x dtype, M <= the family's largest, 4096x4096 and 11008x4096, G=128
     fp32 / G=32 E8M0 / G=16 NVFP4); the whole-kernel count at bf16 x, 4096x4096 inside the family's entry of
     ENFORCED_BUDGETS (today's GEMV: its measured ceilings, TODAY_CEILINGS, until the tensor-core kernel lands;
     issue 37's targets are ISSUE37_TARGETS); no GEMV spills."""
@@ -322,7 +322,7 @@ def test_gemv_sass_instruction_budget(tmp_path):
 
     rows = json.loads(out.read_text())
     families = {r["family"] for r in rows}
-    assert families and families <= set(ENFORCED_BUDGETS), f"families without a budget: {families - set(ENFORCED_BUDGETS)}"
+    assert families and families <= set(ENFORCED_BUDGETS), f"no budget for {families - set(ENFORCED_BUDGETS)}"
     over = []
     for family in sorted(families):
         mine = [r for r in rows if r["family"] == family]

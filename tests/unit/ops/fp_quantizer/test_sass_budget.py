@@ -149,7 +149,8 @@ def _toy_model(sb, tail_taken=1.0, tail_fallthrough=1.0, **overrides):
         sb.Loop("tile", lambda d: d.tiles, loops=(
             sb.Loop("staging", 4, [sb.Skip("zero fill", run=lambda d: d.valid, match=r"fallthrough: [^|]*LDG")]),
             sb.Loop("weight", 2))),))
-    fields = dict(family="toy", match=r"toy_kernel", describe=lambda name: sb.Instance("", name, "e4m3", "bf16", 1, "-", 8),
+    fields = dict(family="toy", match=r"toy_kernel",
+                  describe=lambda name: sb.Instance("", name, "e4m3", "bf16", 1, "-", 8),
                   runs=lambda inst, launch: True, derive=lambda inst, launch: None, body=body,
                   inflight=lambda d, loops: 4096.0, steady="weight", max_m=1,
                   phases=("prologue", "tile", "staging", "weight", "epilogue"))
@@ -222,8 +223,9 @@ def test_a_model_that_does_not_fit_is_refused(sass_budget):
 
 
 def test_whole_kernel_rows_and_residency(sass_budget):
-    """One launch row of the toy kernel: 852 x 32 / 1024 = 26.625 per weight; 40 registers x 32 lanes x 2 warps = 2560 per block (25 fit
-    in 64 Ki registers), 1 KiB + 4 KiB of shared memory (45 fit), 32 blocks of 2 warps: 25 blocks, 50 warps per SM."""
+    """One launch row of the toy kernel: 852 x 32 / 1024 = 26.625 per weight; 40 registers x 32 lanes x 2 warps =
+    2560 per block (25 fit in 64 Ki registers), 1 KiB + 4 KiB of shared memory (45 fit), 32 blocks of 2 warps: 25
+    blocks, 50 warps per SM."""
     sb = sass_budget
     usage = f" Function {TOY}:\n  REG:40 STACK:0 SHARED:1024 LOCAL:0\n"
     model = _toy_model(sb, derive=lambda inst, launch: _toy_launch())
@@ -249,10 +251,12 @@ def test_gemv_model_trip_counts(sass_budget):
     inst = sb.Instance("", "", "e4m3", "bf16", 1, "true", 8)
     d = sb._gemv_derive(inst, sb.Launch("e4m3", "bf16", 1, 4096, 4096, 128))
     assert (d.tile, d.tiles, d.n_chunks, d.dynamic_smem) == (416, 1, 256, 4 * (416 * 20 + 8 * 416))
-    assert (d.x_trips, d.x_valid, d.x_load, d.s_trips, d.s_valid, d.weight_trips) == (26, 16 / 26, 16 / 26, 13, 8 / 13, 8)
+    assert (d.x_trips, d.x_valid, d.x_load) == (26, 16 / 26, 16 / 26)
+    assert (d.s_trips, d.s_valid, d.weight_trips) == (13, 8 / 13, 8)
     assert (d.x_run, d.s_run, d.row_warps, d.blocks) == (1, 1, 1, 512)
     d8 = sb._gemv_derive(replace(inst, rows=8), sb.Launch("e4m3", "bf16", 8, 4096, 4096, 128))
-    assert (d8.tile, d8.tiles, d8.x_trips, d8.x_valid, d8.s_trips, d8.s_valid, d8.weight_trips) == (64, 4, 4, 1, 2, 1, 2)
+    assert (d8.tile, d8.tiles, d8.x_trips, d8.x_valid) == (64, 4, 4, 1)
+    assert (d8.s_trips, d8.s_valid, d8.weight_trips) == (2, 1, 2)
     ragged = sb._gemv_derive(inst, sb.Launch("e4m3", "bf16", 1, 4100, 4096, 128))
     assert ragged.blocks == 513 and ragged.row_warps == 4100 / 4104
     assert sb.gemv_full(4, 4096, 32) and not sb.gemv_full(4, 4096, 16) and not sb.gemv_full(8, 4096, 96)
