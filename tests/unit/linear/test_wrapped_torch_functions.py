@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from unit.checkpoint.test_static_moe_activations import _check_moe_block, _record_calls, _static_moe
 from unit.linear_bound import assert_product_within_bound, exact_weight
 from unit.moe_models import tiny_qwen3_moe
@@ -167,3 +168,95 @@ def _presented(module, name, *inputs):
     finally:
         handle.remove()
     return out["w"]
+
+
+@pytest.mark.parametrize("cast", [lambda w: w.float(), lambda w: w.to(torch.float32), lambda w: w.to(dtype=torch.float32),
+                                  lambda w: w.to("cpu", torch.float32), lambda w: w.type(torch.float32),
+                                  lambda w: w.detach().contiguous().float()])
+def test_casts_keep_the_stand_in(cast):
+    """``x.float() @ w.float().T`` and the other dtype casts / no-ops of a stand-in give a stand-in of the new compute
+    dtype (the layer's numerics in that dtype), not the dequantized weight: no warning, the quantized linear runs."""
+    qt = fpq.quantize(torch.randn(24, 64), "e4m3", group_size=32)
+    w = QuantizedWeight(qt, torch.bfloat16, activation="e4m3", input_scale=torch.tensor(0.01))
+    cast_w = cast(w)
+    assert isinstance(cast_w, QuantizedWeight) and cast_w.dtype == torch.float32
+    x = torch.randn(3, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizedFallbackWarning)
+        got = x @ cast_w.T
+    assert torch.equal(got, linear(x, qt, activation="e4m3", input_scale=torch.tensor(0.01)))  # the same call
+
+
+def test_metadata_does_not_dequantize(monkeypatch):
+    """``w.shape`` / ``dtype`` / ``size()`` / ``numel()`` / ``len(w)`` of a stand-in (what profilers read on every call)
+    are its own metadata: nothing is dequantized."""
+    import ds_fpquant.linear.weights as weights_module
+
+    qt = fpq.quantize(torch.randn(24, 64), "e4m3", group_size=32)
+    w = QuantizedWeight(qt, torch.bfloat16).t()
+    monkeypatch.setattr(weights_module, "dequantize", lambda *a, **k: pytest.fail("dequantized"))
+    assert (w.shape, w.dtype, w.device, w.size(), w.size(0), w.dim(), w.ndim, w.numel(), len(w), w.requires_grad) == (
+        torch.Size([64, 24]), torch.bfloat16, torch.device("cpu"), torch.Size([64, 24]), 64, 2, 2, 1536, 64, False)
+
+
+def test_expert_index_forms_run_quantized(monkeypatch):
+    """``experts[e]`` as a numpy int, a 0-dim tensor, ``[e, :, :]`` / ``[e, ...]``, ``select(0, e)``, ``unbind(0)``
+    and ``experts.float()[e]`` give expert ``e``'s stand-in; ``experts.mT[e]`` the transposed one; out of range raises."""
+    import numpy as np
+
+    model = fpq.apply(tiny_qwen3_moe(), {"fp_quantization": {"fmt": "e4m3"}})
+    experts = _presented(model.model.layers[1].mlp.experts, "down_proj", *EXPERT_INPUTS)  # (4, 64, 32)
+    qts = quantized_experts(model.model.layers[1].mlp.experts)["down_proj"]
+    x = torch.randn(2, 32)
+    forms = [lambda: F.linear(x, experts[np.int64(2)]), lambda: F.linear(x, experts[torch.tensor(2)]),
+             lambda: F.linear(x, experts[2, :, :]), lambda: F.linear(x, experts[2, ...]),
+             lambda: F.linear(x, experts.select(0, 2)), lambda: F.linear(x, experts.unbind(0)[2]),
+             lambda: F.linear(x, experts.float()[2]), lambda: x @ experts.mT[2]]
+    calls = _record_calls(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizedFallbackWarning)
+        outs = [form() for form in forms]
+    assert len(calls) == len(forms) and all(torch.equal(c[1].codes, qts[2].codes) for c in calls)
+    assert all(torch.equal(o, outs[0]) for o in outs)  # the same call of linear on the same tensors
+    with pytest.raises(IndexError):
+        experts[4]
+
+
+def test_wrapper_of_the_c_function_itself(monkeypatch):
+    """A ``functools.wraps`` wrapper put on ``torch._C._nn.linear`` itself (which __torch_function__ then receives) is
+    followed down its ``__wrapped__`` chain."""
+    qt = fpq.quantize(torch.randn(24, 64), "e4m3", group_size=32)
+    original = torch._C._nn.linear
+    monkeypatch.setattr(torch._C._nn, "linear", functools.wraps(original)(lambda *a, **k: original(*a, **k)))
+    x = torch.randn(3, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizedFallbackWarning)
+        assert torch.equal(torch._C._nn.linear(x, QuantizedWeight(qt, torch.float32)), linear(x, qt))
+
+
+def test_fallback_warning_names_the_callers_line():
+    """The warning points at the caller's line (not into torch), so each call site warns once under the default
+    filter."""
+    w = QuantizedWeight(fpq.quantize(torch.randn(32, 32), "e4m3", group_size=32), torch.float32)
+    with pytest.warns(QuantizedFallbackWarning) as caught:
+        torch.einsum("ij,kj->ik", torch.randn(2, 32), w)
+    assert caught[0].filename == __file__
+
+
+@pytest.mark.skipif(not hasattr(transformers, "OpenAIPrivacyFilterConfig"), reason="transformers without the model")
+def test_experts_forward_that_casts_the_weights_runs_quantized(monkeypatch):
+    """transformers' ``OpenAIPrivacyFilterExperts`` computes ``x.float() @ self.gate_up_proj[e].float()``: the cast
+    keeps the stand-in, so every routed expert matmul runs the quantized linear (within SPEC 8.2's bound), no warning."""
+    config = transformers.OpenAIPrivacyFilterConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+        eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(6)
+    model = fpq.apply(transformers.OpenAIPrivacyFilterModel(config).eval(), {"fp_quantization": {"fmt": "e4m3"}})
+    calls = _record_calls(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizedFallbackWarning)
+        model(torch.randint(0, 97, (1, 5)))
+    experts = [c for c in calls if c[1].shape in ((128, 64), (64, 64))]  # gate_up (2 x 64, 64) and down
+    assert len(experts) >= 2, f"{len(experts)} expert calls of the quantized linear"
+    _check_calls(experts, len(experts))

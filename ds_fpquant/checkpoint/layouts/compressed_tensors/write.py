@@ -1,5 +1,5 @@
 """Writing the compressed-tensors layout (``quant_method: "compressed-tensors"``, the conventions of
-compressed-tensors 0.20.1 that :mod:`ds_fpquant.checkpoint.layouts.compressed_tensors` reads; ``docs/checkpoints.md``).
+compressed-tensors 0.20.1 that :mod:`ds_fpquant.checkpoint.layouts.compressed_tensors.read` reads; ``docs/checkpoints.md``).
 
 What is written, per quantized weight ``<m>`` (``(N, K)``), by ``format``:
 

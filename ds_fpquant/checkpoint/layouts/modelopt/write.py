@@ -1,5 +1,5 @@
 """Writing NVIDIA ModelOpt's layout (``quant_method: "modelopt"``, as nvidia-modelopt 0.47's ``export_hf_checkpoint``
-writes it and :mod:`ds_fpquant.checkpoint.layouts.modelopt` reads it; ``docs/checkpoints.md``).
+writes it and :mod:`ds_fpquant.checkpoint.layouts.modelopt.read` reads it; ``docs/checkpoints.md``).
 
 Per quantized weight ``<m>`` (``(N, K)``), by ``quant_algo`` (the spellings ModelOpt 0.47 writes):
 
