@@ -226,7 +226,8 @@ def test_bench_generate_quick(tmp_path):
     JSON fields; torchao's row is skipped with the reason where torchao is not importable (no timing asserts)."""
     path = tmp_path / "generate.json"
     run = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--quick", "--repeat", "1",
-                          "--new-tokens", "3", "--json", str(path), "--results", str(tmp_path / "gen")],
+                          "--new-tokens", "3", "--prefill-tokens", "6", "--json", str(path), "--results",
+                          str(tmp_path / "gen")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     md = (tmp_path / "gen.md").read_text()
@@ -241,6 +242,8 @@ def test_bench_generate_quick(tmp_path):
     data = json.loads(path.read_text())
     env, rows = data["environment"], data["results"]
     assert env["llama_hidden_size"] == 256 and env["new_tokens"] == 3 and env["prompt_tokens"] == 4
+    assert env["prefill_tokens"] == 6 and "prefill tokens/s: one forward over batch x 6 prompt tokens" in run.stdout
+    assert "| first token s | prefill tokens/s | vs bf16 | decode tokens/s | vs bf16 |" in run.stdout
     assert env["linears_converted"] == 14 and env["parameters"] > 0 and env["cores"] >= 1 and env["llc_mib"] > 0
     try:
         import torchao.quantization  # noqa: F401
@@ -258,11 +261,18 @@ def test_bench_generate_quick(tmp_path):
         assert r["new_tokens"] == 3 and r["generate_s"] > 0 and r["tokens_per_s"] > 0
         assert 0 < r["prefill_s"] < r["generate_s"] and r["decode_tokens_per_s"] > 0
         assert abs(r["vs_bf16"] - r["tokens_per_s"] / bf16[r["batch"]]["tokens_per_s"]) < 1e-9
+        assert r["prefill_tokens"] == 6 and r["prefill_forward_s"] > 0
+        assert r["prefill_tokens_per_s"] == pytest.approx(r["batch"] * 6 / r["prefill_forward_s"], rel=1e-12)
+        assert r["prefill_vs_bf16"] == pytest.approx(
+            r["prefill_tokens_per_s"] / bf16[r["batch"]]["prefill_tokens_per_s"], rel=1e-12)
         assert (r["converted_linears"] == 0) == (r["fmt"] == "bf16")
         assert r["linear_mib"] < bf16[r["batch"]]["linear_mib"] or r["fmt"] == "bf16"
     bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--generate-formats", "fp8"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--generate-formats fp8" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--prefill-tokens", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--prefill-tokens [0]: each must be >= 1" in bad.stderr
     both = subprocess.run([sys.executable, "-m", "ds_fpquant", "bench", "--generate", "--linear"],
                           capture_output=True, text=True, timeout=600)
     assert both.returncode == 2 and "give one" in both.stderr
