@@ -81,16 +81,16 @@ __attribute__((target("avx2,fma"))) float fma_ymm_loop(int64_t steps)
 }
 
 #if defined(FPQ_PEAK_ZMM)
-float fma_zmm_loop(int64_t steps)
+// kZmmAccumulators chains of `step` (acc -> acc'), `steps` rounds, on zmm registers.
+template <class Step>
+float zmm_chains(int64_t steps, Step step)
 {
-    const __m512 a = _mm512_set1_ps(0.5f);
-    const __m512 b = _mm512_set1_ps(0.5f);
     __m512 acc[kZmmAccumulators];
 #pragma GCC unroll 32
     for (int i = 0; i < kZmmAccumulators; ++i) { acc[i] = _mm512_set1_ps(float(i)); }
     for (int64_t s = 0; s < steps; ++s) {
 #pragma GCC unroll 32
-        for (int i = 0; i < kZmmAccumulators; ++i) { acc[i] = _mm512_fmadd_ps(acc[i], a, b); }
+        for (int i = 0; i < kZmmAccumulators; ++i) { acc[i] = step(acc[i]); }
     }
     __m512 sum = acc[0];
 #pragma GCC unroll 32
@@ -98,6 +98,12 @@ float fma_zmm_loop(int64_t steps)
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, sum);
     return lanes[0];
+}
+
+float fma_zmm_loop(int64_t steps)
+{
+    const __m512 half = _mm512_set1_ps(0.5f);
+    return zmm_chains(steps, [half](__m512 acc) { return _mm512_fmadd_ps(acc, half, half); });
 }
 #endif
 
@@ -107,19 +113,7 @@ float bf16_dot_zmm_loop(int64_t steps)
     // 32-bit lanes of bf16 pairs, low half first: (1.0, -1.0) = 0xBF80'3F80 and (1.0, 1.0) = 0x3F80'3F80.
     const __m512bh x = (__m512bh)_mm512_set1_epi32(int32_t(0xBF803F80u));
     const __m512bh y = (__m512bh)_mm512_set1_epi32(int32_t(0x3F803F80u));
-    __m512 acc[kZmmAccumulators];
-#pragma GCC unroll 32
-    for (int i = 0; i < kZmmAccumulators; ++i) { acc[i] = _mm512_set1_ps(float(i)); }
-    for (int64_t s = 0; s < steps; ++s) {
-#pragma GCC unroll 32
-        for (int i = 0; i < kZmmAccumulators; ++i) { acc[i] = _mm512_dpbf16_ps(acc[i], x, y); }
-    }
-    __m512 sum = acc[0];
-#pragma GCC unroll 32
-    for (int i = 1; i < kZmmAccumulators; ++i) { sum = _mm512_add_ps(sum, acc[i]); }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, sum);
-    return lanes[0];
+    return zmm_chains(steps, [x, y](__m512 acc) { return _mm512_dpbf16_ps(acc, x, y); });
 }
 #endif
 
