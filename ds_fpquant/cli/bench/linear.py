@@ -379,6 +379,7 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
     results: List[LinearResult] = [read]
     torch.manual_seed(0)
     with torch.no_grad():
+        warm_up_kernels(formats, x_dtypes, with_peers)
         for n, k in shapes:
             kinds = _make_weights(n, k, formats, with_peers, llc, llc_multiple, progress)
             bf16 = kinds["bf16"]
@@ -433,6 +434,22 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
                 results += rows
             kinds = None  # freed before the next shape's weights are made
     return results
+
+
+def warm_up_kernels(formats: Sequence[str], x_dtypes: Sequence[str], with_peers: bool) -> None:
+    """Every row's kernel once on a small layer (256 x 128, 4 rows of x), so that no first call of a process (a
+    library's lazy setup) counts as a case's warm-up: that call decides whether a case is slow."""
+    w = torch.randn(256, 128) * 0.02
+    x = torch.randn(4, 128)
+    F.linear(x, w)
+    F.linear(x.bfloat16(), w.bfloat16())
+    if with_peers:
+        for make in (peers.int8pack_weight, peers.int4pack_weight):
+            peers.peer_linear(x.bfloat16(), make(w))
+    for fmt in formats:
+        qt = _quantize(w, fmt)
+        for xd in x_dtypes:
+            linear(x.to(X_DTYPES[xd]), qt)
 
 
 def _peer_check(p: peers.PeerWeight, x: torch.Tensor, checks: Dict[str, float], kind: str, n: int, k: int,
