@@ -472,6 +472,11 @@ def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def _gbps(v: Optional[float]) -> str:
+    """GB/s with three significant digits (large-M rows read well under 1 GB/s)."""
+    return "-" if v is None else f"{v:.3g}"
+
+
 def format_table(results: Sequence[LinearResult]) -> str:
     """Every row: resident and model-sized ms with their ratios to bf16, the model-sized GB/s of weights read, the
     roofline time and the share of it reached, and the peak it uses."""
@@ -483,7 +488,7 @@ def format_table(results: Sequence[LinearResult]) -> str:
         m = "-" if r.m == 0 else str(r.m)
         shape = "-" if r.n == 0 else f"{r.n}x{r.k}"
         mib = "-" if r.weight_bytes is None else f"{r.weight_bytes / MIB:.2f}"
-        gbps = "-" if r.model_gbps is None else f"{r.model_gbps:.1f}"
+        gbps = _gbps(r.model_gbps)
         layers = "" if r.impl == READ_IMPL else f" ({r.layers} layers)"
         roof = "-" if r.roofline_ms is None else f"{r.roofline_ms:.3f}"
         peak = "-" if not r.peak else (r.peak.split(" (")[0] + ("" if r.peak_gflops is None else
@@ -542,11 +547,11 @@ def format_summary(results: Sequence[LinearResult]) -> str:
                              "to bf16 F.linear, share of the roofline, GB/s of weight bytes); weight MiB per layer in "
                              "the header", columns, [f"{c} ({mib[c]:.2f} MiB)" for c in columns], rows,
                              lambda r: f"{r.model_ms:.3f} ({ratio_text(r.model_vs_bf16)}, {_pct(r.of_roofline)}, "
-                                       f"{r.model_gbps:.1f} GB/s)")
+                                       f"{_gbps(r.model_gbps)} GB/s)")
         read_text = "" if read is None else (f": {read.model_gbps:.1f} GB/s, fp32 sum over "
                                              f"{read.weight_bytes / MIB:.0f} MiB")
         out += _titled_table(f"{n}x{k}, bf16 x, GB/s of weight bytes read (share of the read bandwidth{read_text})",
-                             columns, columns, rows, lambda r: f"{r.model_gbps:.1f} ({_pct(r.of_read_bw)})")
+                             columns, columns, rows, lambda r: f"{_gbps(r.model_gbps)} ({_pct(r.of_read_bw)})")
         rows32 = [r for r in shape_rows if r.x == "fp32" and r.impl in ("nn.Linear fp32", "fused")]
         if any(r.impl == "fused" for r in rows32):
             columns = list(dict.fromkeys(r.label for r in rows32))
