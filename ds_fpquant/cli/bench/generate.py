@@ -383,7 +383,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
-    from ds_fpquant.cli.bench.linear import cpu_cores, cpu_name, llc_bytes, load_average
+    from ds_fpquant.cli.bench.linear import cpu_cores, cpu_name, cpu_steal_seconds, llc_bytes, load_average
     from ds_fpquant.cli.common import report
 
     if args.device != "cpu":
@@ -421,10 +421,12 @@ def main(args, parser: argparse.ArgumentParser) -> int:
             parser.error(f"{flag} {list(values)}: each must be >= 1")
     repeat = args.repeat or DEFAULT_REPEAT
     t0 = time.perf_counter()
+    steal0 = cpu_steal_seconds()
     results, skipped, info = run(rows, spec, batches, prompt, new, repeat, prefill_tokens=prefill)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "cores": cpu_cores(),
            "llc_mib": llc_bytes() / MIB, **{f"llama_{k}": v for k, v in spec.items()}, **info,
            "prompt_tokens": prompt, "new_tokens": new, "prefill_tokens": prefill, "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1),
+           "steal_s": None if steal0 is None else round(cpu_steal_seconds() - steal0, 1),
            "load_average": load_average()}
     if skipped:
         env["skipped"] = skipped

@@ -14,9 +14,10 @@ bf16 and with fp32 ``x`` (``x_dtypes``); with ``with_dequantize`` also through `
   ``llc_multiple`` (default 4) last-level caches of that kind's own weight bytes (codes + scales, or the bf16 /
   fp32 weight), as one forward of a real model reads them; time per layer.
 
-The machine's two limits are measured in the same run (:mod:`.roofline`): the streaming read bandwidth (a float32
-``.sum()`` over a buffer of several last-level caches) and the peak dot-product rate of each instruction the kernels
-multiply with (register-only loops in the compiled op, on the bench's thread count). Each model-sized row reports
+The machine's two limits are measured in the same run (:mod:`.roofline`), at its start and again at its end (the
+higher of the two counts: :func:`merge_limits`): the streaming read bandwidth (a float32 ``.sum()`` over a buffer
+of several last-level caches) and the peak dot-product rate of each instruction the kernels multiply with
+(register-only loops in the compiled op, on the bench's thread count). Each model-sized row reports
 the GB/s of weight bytes it reads, its share of the read bandwidth, its roofline time
 ``max(weight bytes / bandwidth, 2 * M * N * K / peak)`` with the peak of the instruction it runs, and the share of
 that time it reaches. A ``copy_`` of the bf16 weights (model-sized) is kept as the read + write figure. Ratios are
@@ -190,6 +191,18 @@ def load_average() -> Optional[str]:
         return None
 
 
+def cpu_steal_seconds(path: str = "/proc/stat") -> Optional[float]:
+    """CPU seconds the hypervisor has taken from this machine's CPUs since boot (the ``steal`` column of
+    ``/proc/stat``'s ``cpu`` line; 0 on bare metal), ``None`` where it is not known. Its growth over a run is time
+    the run's threads were ready but not running."""
+    try:
+        with open(path) as fh:
+            fields = fh.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Size of the largest CPU cache (sysfs ``index*/size``), else :data:`FALLBACK_LLC_MIB`. Entries that are
     not caches (``uevent``) or cannot be read are skipped, each on its own."""
@@ -353,6 +366,29 @@ def machine_limits(repeat: int, llc: int, read_bytes: Optional[int] = None, peak
         op = None
     peaks = roofline.measure_peaks(op, torch.get_num_threads(), peak_seconds, peak_trials)
     return read, peaks, roofline.kernel_facts(op)
+
+
+def merge_limits(first, second):
+    """Two :func:`machine_limits` answers (the start and the end of a run) as one: the higher read bandwidth and, per
+    kind, the higher peak (a limit is the best the machine does; a moment of other work only lowers a measurement)."""
+    read = first[0] if first[0].model_gbps >= second[0].model_gbps else second[0]
+    peaks = dict(first[1])
+    for kind, peak in second[1].items():
+        if peak.gflops is not None and (kind not in peaks or (peaks[kind].gflops or 0) < peak.gflops):
+            peaks[kind] = peak
+    return read, peaks, first[2]
+
+
+def apply_limits(results: List[LinearResult], limits) -> None:
+    """Put ``limits`` (a :func:`machine_limits` answer) into ``results`` in place: the read row (first) and every
+    other row's share of the read bandwidth and roofline."""
+    read, peaks, facts = limits
+    results[0] = read
+    for r in results[1:]:
+        if r.model_gbps is not None:
+            r.of_read_bw = r.model_gbps / read.model_gbps
+        if r.m:
+            add_roofline(r, read.model_gbps, facts, peaks)
 
 
 def add_roofline(r: LinearResult, read_gbps: float, facts: roofline.KernelFacts, peaks: Dict[str, roofline.Peak]):
@@ -627,18 +663,30 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     repeat = args.repeat or DEFAULT_REPEAT
     x_dtypes = list(dict.fromkeys(args.x_dtypes or X_DTYPES))
     t0 = time.perf_counter()
-    limits = machine_limits(repeat, llc, read_bytes, *((0.05, 1) if args.quick else ()))
-    read, peaks, facts = limits
+    steal0 = cpu_steal_seconds()
+    peak_args = (0.05, 1) if args.quick else ()
+    start = machine_limits(repeat, llc, read_bytes, *peak_args)
     results = run(shapes, tokens, formats, repeat=repeat, llc=llc, llc_multiple=args.llc_multiple,
-                  with_peers=not args.no_peers, x_dtypes=x_dtypes, with_dequantize=args.with_dequantize, limits=limits)
+                  with_peers=not args.no_peers, x_dtypes=x_dtypes, with_dequantize=args.with_dequantize, limits=start)
+    end = machine_limits(repeat, llc, read_bytes, *peak_args)  # again: the better of the two is the limit
+    limits = merge_limits(start, end)
+    apply_limits(results, limits)
+    read, peaks, facts = limits
     machine_llc = llc_bytes() / MIB
     peaks_env = roofline.peaks_environment(peaks)
+    peaks_env["peak_gflops_start_end"] = {
+        kind: [None if x.get(kind) is None or x[kind].gflops is None else round(x[kind].gflops, 1)
+               for x in (start[1], end[1])]
+        for kind in peaks}
+    steal = None if steal0 is None or cpu_steal_seconds() is None else round(cpu_steal_seconds() - steal0, 1)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "cores": cpu_cores(),
            "cpu_features": roofline.features_text(facts.flags), "torch_cpu_capability": facts.torch_capability,
            "mkldnn_bf16": facts.mkldnn_bf16, "op_cpu_paths": " ".join(facts.op_paths) or "none (portable loops)",
            "machine_llc_mib": machine_llc, "llc_mib": llc / MIB, "llc_multiple": args.llc_multiple,
-           "read_gbps": round(read.model_gbps, 2), "read_mib": read.weight_bytes / MIB, **peaks_env,
-           "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1), "load_average": load_average()}
+           "read_gbps": round(read.model_gbps, 2),
+           "read_gbps_start_end": [round(start[0].model_gbps, 2), round(end[0].model_gbps, 2)],
+           "read_mib": read.weight_bytes / MIB, **peaks_env, "repeat": repeat,
+           "run_s": round(time.perf_counter() - t0, 1), "steal_s": steal, "load_average": load_average()}
     text = (limits_text(results, peaks_env) + "\n\n" + format_summary(results) + "\n\nThe peak each row's roofline "
             "uses:\n\n" + format_peaks(results) + "\n\nEvery row:\n\n" + format_table(results))
     report(env, text, results, args.json, getattr(args, "results", None),

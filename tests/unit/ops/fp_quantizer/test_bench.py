@@ -81,6 +81,9 @@ def test_bench_linear_quick_rows(tmp_path):
     assert env["read_gbps"] > 0 and env["read_mib"] >= 64 and env["llc_multiple"] == 4 and env["cpu"]
     assert env["cores"] >= 1 and env["machine_llc_mib"] > 0 and env["llc_mib"] == 1 and env["run_s"] > 0
     assert env["threads"] >= 1 and "cpu_features" in env and env["torch_cpu_capability"] and "op_cpu_paths" in env
+    assert env["read_gbps"] == max(env["read_gbps_start_end"]) and "steal_s" in env
+    for kind, both in env["peak_gflops_start_end"].items():
+        assert env["peak_gflops"][kind] == max(both)
     from ds_fpquant.cli.bench.roofline import cpu_flags
 
     if platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags():
@@ -424,3 +427,33 @@ def test_peer_check_on_the_first_rows_of_the_weight():
         bad = y.clone()
         bad[3, 5] += 10 * float(y.abs().max())
         assert peers.check_peer(x, p, bad) > 4
+
+
+def test_limits_of_a_run_are_the_better_of_start_and_end(tmp_path):
+    """merge_limits keeps the higher bandwidth and per kind the higher peak; apply_limits puts them into every row;
+    the hypervisor's steal time is read from /proc/stat's cpu line (its 8th value, in clock ticks)."""
+    from ds_fpquant.cli.bench import linear as bench_linear
+    from ds_fpquant.cli.bench.roofline import KernelFacts, Peak
+
+    facts = KernelFacts(frozenset(), (), "AVX2", False)
+
+    def limits(gbps, **peaks):
+        read = bench_linear.LinearResult(0, 0, 0, bench_linear.READ_IMPL, "-", 1, None, 1.0, weight_bytes=2**20,
+                                         model_gbps=gbps)
+        return read, {k: Peak(k, k, v) for k, v in peaks.items()}, facts
+
+    merged = bench_linear.merge_limits(limits(15.0, fp32_fma_ymm=80.0, amx_bf16=None), limits(17.0, fp32_fma_ymm=56.0))
+    assert merged[0].model_gbps == 17.0 and merged[1]["fp32_fma_ymm"].gflops == 80.0
+    assert merged[1]["amx_bf16"].gflops is None
+    row = bench_linear.LinearResult(4096, 4096, 1024, "fused", "e4m3", 2, None, 500.0, weight_bytes=17 * 2**20,
+                                    macs=1024 * 4096 * 4096, model_gbps=0.035)
+    results = [limits(15.0)[0], row]
+    bench_linear.apply_limits(results, merged)
+    assert results[0] is merged[0] and row.of_read_bw == pytest.approx(0.035 / 17.0)
+    assert row.roofline_ms == pytest.approx(2 * 1024 * 4096 * 4096 / 80e6) and row.bound == "compute"
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1113522 0 42789 411343 4201 0 1558 3762 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    import os
+
+    assert bench_linear.cpu_steal_seconds(str(stat)) == pytest.approx(3762 / os.sysconf("SC_CLK_TCK"))
+    assert bench_linear.cpu_steal_seconds(str(tmp_path / "missing")) is None
