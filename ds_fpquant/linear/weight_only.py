@@ -44,7 +44,7 @@ PANEL_BYTES = 8 * 2**20
 
 #: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``): up to 8 rows share each
 #: decoded weight; more rows take the panels + cuBLAS.
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 16
 
 
 #: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),
