@@ -43,7 +43,7 @@ Usage::
 
     CUDA_HOME=/usr/local/cuda python scripts/sass_budget.py [--json OUT.json] [--keep DIR]
     python scripts/sass_budget.py --sass DIR/kernels.sass --res-usage DIR/res_usage.txt --ptxas DIR/ptxas.log
-    python scripts/sass_budget.py --sass ... --cfg 'E2ELi1E.*Bf16ELi1ELb1E'   # a function's CFG, loops, branches
+    python scripts/sass_budget.py --sass ... --cfg 'Li4ELi3E.*Bf16ELi1ELb1E'  # one function's CFG and block counts
 
 ``--sass``/``--res-usage``/``--ptxas`` read a listing made before (``--keep`` writes one) instead of building. Exit
 status 0; the budgets are asserted by ``tests/unit/ops/fp_quantizer/test_op_builders.py``, the counter itself on
@@ -122,23 +122,24 @@ class Branch:
     branch's block, the fraction after which the warp runs the blocks of that side (the blocks control dependent on
     that edge); a warp whose lanes disagree runs both, so the two may add up to more than 1. A side with no blocks of
     its own (it goes straight to the join, to an ``EXIT``, to the back edge) needs no fraction: use :func:`Skip` or
-    :func:`Exit`, which also check the polarity. ``match``: a regex that :func:`describe_branch`'s text of the branch
-    must contain, to check that the rule sits on the branch meant (say, the side with the division).
+    :func:`Exit`, which also check the polarity. ``match``: a regex (or a function of ``d`` giving one) searched in
+    :func:`describe_branch`'s text of the branch followed by `` | block: `` and its block's instructions, to check
+    that the rule sits on the branch meant (the side with the division, a guard's constant).
     """
     what: str
     taken: Number = 0.0
     fallthrough: Number = 1.0
-    match: str = ""
+    match: Union[str, Callable[[Any], str]] = ""
     kind: str = "branch"  # "skip": the taken side has no blocks; "exit": a conditional EXIT; "branch": two sides
 
 
-def Skip(what: str, run: Number, match: str = "") -> Branch:
+def Skip(what: str, run: Number, match: Union[str, Callable[[Any], str]] = "") -> Branch:
     """A branch around a piece of code (``@P BRA join``): `run` is the fraction of executions after which the warp
     runs the fall-through side. The taken side must have no blocks of its own."""
     return Branch(what, 0.0, run, match, "skip")
 
 
-def Exit(what: str, stay: Number, match: str = "") -> Branch:
+def Exit(what: str, stay: Number, match: Union[str, Callable[[Any], str]] = "") -> Branch:
     """A conditional ``EXIT``: `stay` is the fraction of executions after which the warp goes on (some lane stays)."""
     return Branch(what, 0.0, stay, match, "exit")
 
@@ -312,7 +313,8 @@ def _gemv_top_branches(d: SimpleNamespace) -> List[Branch]:
                       Branch("a.bias == nullptr", taken=float(not d.launch.bias), fallthrough=float(d.launch.bias),
                              match=r"fallthrough: [^|]*LDG")]
     for r in range(d.rows - 1):
-        out.append(Skip(f"lane == {r} && {r} < rows_x: the store of row {r}", run=float(r < d.m), match=r"fallthrough: [^|]*STG"))
+        out.append(Skip(f"lane == {r} && {r} < rows_x: the store of row {r}", run=float(r < d.m),
+                        match=r"fallthrough: [^|]*STG"))
         if r == 0 and d.rows == 8 and d.inst.dtype == "fp16":  # nvcc 13.0 predicates the bias load elsewhere
             out.append(Branch("a.bias == nullptr (row 0)", taken=float(not d.launch.bias),
                               fallthrough=float(d.launch.bias), match=r"fallthrough: [^|]*LDG"))
@@ -321,7 +323,8 @@ def _gemv_top_branches(d: SimpleNamespace) -> List[Branch]:
 
 
 def _gemv_x_branches(d: SimpleNamespace) -> List[Branch]:
-    out = [Skip("f >= n_chunks: a zero-filled position (no group division)", run=d.x_valid, match=r"fallthrough: [^|]*I2F")]
+    out = [Skip("f >= n_chunks: a zero-filled position (no group division)", run=d.x_valid,
+                match=r"fallthrough: [^|]*I2F")]
     if d.rows == 1:  # wider instantiations predicate the loads of x
         out.append(Skip("!valid || m >= rows_x: no load of x", run=d.x_load, match=r"fallthrough: [^|]*LDG"))
     return out
@@ -354,9 +357,11 @@ GEMV = KernelModel(
     runs=_gemv_runs,
     derive=_gemv_derive,
     body=Loop("kernel", 1, _gemv_top_branches, loops=(
-        Loop("tile", lambda d: d.tiles, lambda d: [
-            Skip("threadIdx.x >= kTile * kCodes: no x staging", run=d.x_run),
-            Skip("threadIdx.x >= 8 * kTile: no scale staging", run=d.s_run),
+        Loop("tile", lambda d: d.tiles, lambda d: [  # the staging guards' constants check the model's kTile
+            Skip("threadIdx.x >= kTile * kCodes: no x staging", run=d.x_run,
+                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {d.tile * d.codes - 1:#x}, PT"),
+            Skip("threadIdx.x >= 8 * kTile: no scale staging", run=d.s_run,
+                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {_GEMV_WARPS * d.tile - 1:#x}, PT"),
             Skip("!has_row: no weight loop", run=d.row_warps),
             Skip("f0 + lane >= f_end: the weight loop's guard", run=1.0)], loops=(
             Loop("x staging", lambda d: d.x_trips, _gemv_x_branches),
@@ -373,6 +378,8 @@ GEMV = KernelModel(
 
 #: Every kernel family the script counts; a family none of whose functions is in the SASS is skipped.
 MODELS: Tuple[KernelModel, ...] = (GEMV,)
+#: The functions of the listing the script reads (mangled names containing this); a family's kernels must be among them.
+FUNCTIONS = "gemv"
 
 #: The stated launches (issue 37): two layer shapes (N x K), three scale layouts, M = 1, 2, 4, 8, 16 where the family
 #: has them, every x dtype; NVFP4 for e2m1 only.
@@ -544,7 +551,8 @@ class CFG:
             for t in self.successors(s):
                 if rank[t] <= rank[s]:
                     if t not in dom[s]:
-                        raise ValueError(f"irreducible control flow: {s:#06x} -> {t:#06x} enters a loop not at its head")
+                        raise ValueError(f"irreducible control flow: {s:#06x} -> {t:#06x} enters a loop not at its "
+                                         "head")
                     self.back_edges.append((s, t))
 
     def _loops(self) -> None:
@@ -737,8 +745,10 @@ def weigh(cfg: CFG, model: KernelModel, d: Any) -> Count:
             if rule.kind == "skip" and side_nodes(reg, x, "taken"):
                 raise ModelMismatch(f"{where}: {rule.what!r} is declared a skip (taken side empty), the SASS has "
                                     f"{text}")
-            if rule.match and not re.search(rule.match, text):
-                raise ModelMismatch(f"{where}: {rule.what!r} should match {rule.match!r}, the SASS has {text}")
+            pattern = rule.match(d) if callable(rule.match) else rule.match
+            haystack = text + " | block: " + " ; ".join(t for _, t in cfg.blocks[x[1]].instructions)
+            if pattern and not re.search(pattern, haystack):
+                raise ModelMismatch(f"{where}: {rule.what!r} should match {pattern!r}, the SASS has {haystack}")
             fraction[x] = {"taken": _value(rule.taken, d), "fallthrough": _value(rule.fallthrough, d)}
         trips = _value(declared.trips, d)
         freq = {reg.entry: entries * trips}
@@ -1215,22 +1225,24 @@ def main(argv=None) -> int:
             keep.mkdir(parents=True, exist_ok=True)
             for name, text in (("kernels.sass", sass), ("res_usage.txt", usage), ("ptxas.log", log)):
                 (keep / name).write_text(text)
-    functions = {n: ins for n, ins in split_functions(sass).items() if "gemv" in n}
+    functions = {n: ins for n, ins in split_functions(sass).items() if FUNCTIONS in n}
     if args.cfg:
         n, k = (int(v) for v in args.shape.lower().split("x"))
         print(cfg_listing(functions, args.cfg, shape=(n, k), group_size=args.group_size,
                           scale_format=args.scale_format, m=args.m, bias=args.bias))
         return 0
-    loop_rows = _budgets(functions, usage, log, "gemv")
+    loop_rows = _budgets(functions, usage, log, FUNCTIONS)
     print("Loop only (issue 28): the steady-state loop's static count, per instantiation\n")
     print(table(loop_rows))
-    static = {r.mangled: r.instructions_per_weight for r in loop_rows}
+    static = {r.mangled: r.instructions_per_weight for r in loop_rows if math.isfinite(r.instructions_per_weight)}
     rows = whole_kernel(functions, usage, log, static=static)
-    shown = [r for r in rows if not args.x_dtype or r.x_dtype in args.x_dtype]
-    print("\nWhole kernel (issue 37): executed lane instructions per weight, per launch\n")
-    print(launch_table(shown))
+    for model in MODELS:
+        shown = [r for r in rows if r.family == model.family and (not args.x_dtype or r.x_dtype in args.x_dtype)]
+        if shown:
+            print(f"\nWhole kernel (issue 37), {model.family}: executed lane instructions per weight, per launch\n")
+            print(launch_table(shown, model.phases))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(asdict(r)) for r in rows) + "\n]\n")  # a row a line
     return 0
 
 
