@@ -24,8 +24,8 @@
 // multiplies the group's partial sum; a chain never spans two groups; a split boundary inside a group ends one chain
 // and starts the next). SPEC 8.2 bounds the tensor core's accumulation inside a chain.
 //
-// Memory. The block streams its codes and x through a ring of kGemvStages stages of kGemvStageK positions with
-// cp.async (16-byte copies, commit_group / wait_group: kGemvStages - 1 stages in flight), the aligned path; shapes it
+// Memory. The block streams its codes and x through a ring of kGemvStages stages (about 512 bytes of codes per row
+// each: GemvCodes<F, T>::kStageK positions) with cp.async (16-byte copies, commit_group / wait_group: kGemvStages - 1 stages in flight), the aligned path; shapes it
 // cannot take (groups that are not a whole number of k16 steps in a window, code rows or x not 16-byte aligned) fill
 // the same ring synchronously with byte loads, each group padded to whole k16 steps with zero codes and zero x (the
 // padded path). The block's scales are decoded to fp32 into shared memory once, while the first stages are in flight.
@@ -35,9 +35,11 @@
 // the bits do not depend on which block finishes last.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "fp_quantize_kernels.cuh"
 
@@ -51,11 +53,10 @@ namespace cuda_kernels {
 constexpr int kGemvWarps = 4;                      // warps per block, one m16 tile each
 constexpr int kGemvThreads = 32 * kGemvWarps;
 constexpr int kGemvBlockRows = 16 * kGemvWarps;    // weight rows per block (a tile)
-constexpr int kGemvStages = 4;                     // ring stages (kGemvStages - 1 in flight)
-constexpr int kGemvStageK = 256;                   // k positions per stage
+constexpr int kGemvStages = 3;                     // ring stages (kGemvStages - 1 in flight)
 constexpr int kGemvMaxSplits = 4096;
+constexpr int kGemvMaxShared = 227 << 10;         // sm_90's most dynamic shared memory per block
 
-static_assert((kGemvStages & (kGemvStages - 1)) == 0, "ring index by mask");
 
 // ---- bit-level helpers -------------------------------------------------------------------------------------------
 
@@ -130,6 +131,22 @@ __device__ __forceinline__ uint32_t shift_left(uint32_t x)
     }
 }
 
+// A value the compiler must keep in a register rather than recompute from threadIdx where it is used (nvcc would
+// rematerialize the lane's shared-memory offsets in every stage of the loop).
+template <class V>
+__device__ __forceinline__ V pinned(V v)
+{
+#if defined(__CUDA_ARCH__) && !defined(FPQ_CUDA_EMULATION)
+    static_assert(sizeof(V) == 4, "32-bit values");
+    if constexpr (std::is_same<V, float>::value) {
+        asm volatile("" : "+f"(v));
+    } else {
+        asm volatile("" : "+r"(v));
+    }
+#endif
+    return v;
+}
+
 // ---- tensor core, cp.async ---------------------------------------------------------------------------------------
 
 // d = a * b + c, mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (the warp's fragments, PTX ISA
@@ -189,44 +206,47 @@ __device__ __forceinline__ void cp_async_wait()
 
 // ---- window geometry per format ----------------------------------------------------------------------------------
 //
-// A stage holds kGemvStageK positions of the block's 64 rows (codes) and of x's m rows. A warp consumes it in windows
-// of 4 x kLane positions: lane (r, c) decodes kLane codes of the window for rows r and r + 8, which serve kSteps =
-// kLane / 4 mma steps. The lane's codes are kLane / kPiece pieces of kPiece consecutive codes: piece j at positions
-// j * 4 kPiece + c * kPiece of the window, so that each k16 step lies in one block of 4 kPiece positions. kPiece =
-// kLane: one contiguous piece per lane (groups of whole windows); kPiece = G / 4 for groups of 16, 32 or 64 (a step
-// never spans two groups; the window holds kLane / kPiece groups).
-template <class F>
+// A stage holds kStageK positions of the block's 64 rows (about 512 bytes of codes per row; half as many positions
+// for fp32 x with e2m1 and FP6, whose fp32 x would not fit three stages at 16 rows) and of x's m rows. A warp consumes
+// it in windows of 4 x kLane positions: lane (r, c) decodes kLane codes of the window for rows r and r + 8, which
+// serve kSteps = kLane / 4 mma steps. The lane's codes are kLane / kPiece pieces of kPiece consecutive codes: piece j
+// at positions j * 4 kPiece + c * kPiece of the window, so that each k16 step lies in one block of 4 kPiece
+// positions. kPiece = kLane: one contiguous piece per lane (groups of whole windows); kPiece = G / 4 for groups of 16,
+// 32 or 64 (a step never spans two groups; the window holds kLane / kPiece groups). T: x's element type (the window's
+// geometry does not depend on it; the stage's does).
+template <class F, class T = Bf16>
 struct GemvCodes {
     static constexpr int kLane = F::kBits == 4 ? 32 : 16;  // codes per lane, row and window
     static constexpr int kSteps = kLane / 4;
     static constexpr int kWindow = 16 * kSteps;            // positions per window: 64, or 128 for e2m1
-    static constexpr int kWindows = kGemvStageK / kWindow;
+    static constexpr int kHalve = sizeof(T) == 4 && (F::kBits == 4 || F::kBits == 6) ? 2 : 1;
+    static constexpr int kStageK = (F::kBits == 8 ? 512 : F::kBits == 4 ? 1024 : F::kBits == 6 ? 640 : 320) / kHalve;
+    static constexpr int kWindows = kStageK / kWindow;     // 8, 8, 10, 5 (fp32 x: 8, 4, 5, 5)
     static constexpr int kLaneBytes = kLane * F::kBits / 8;  // 16 (8- and 4-bit), 12 (FP6), 24 (e4m7)
     static constexpr int kWindowBytes = kWindow * F::kBits / 8;
-    static constexpr int kRowBytes = kGemvStageK * F::kBits / 8;  // one row of a stage: 256, 128, 192, 384
+    static constexpr int kRowBytes = kStageK * F::kBits / 8;  // one row of a stage: 512, 512, 480, 480 (or half)
     // Shared-memory row stride: the 8 rows x 4 lanes of a load instruction hit distinct banks (16-byte lanes: rows
     // 64 bytes apart modulo 128; FP6's 4-byte loads: rows 12 words apart modulo 32; e4m7's 8-byte loads: 8 words).
     static constexpr int kRowStride = kLaneBytes == 16 ? kRowBytes + (64 - kRowBytes % 128 + 128) % 128
                                       : kLaneBytes == 12 ? kRowBytes + (12 - (kRowBytes / 4) % 32 + 32) % 32 * 4
                                                          : kRowBytes + (8 - (kRowBytes / 4) % 32 + 32) % 32 * 4;
-    static constexpr int kRowChunks = kRowBytes / 16;  // 16-byte chunks of one row of a stage: 16, 8, 12, 24
-    static_assert(kGemvStageK % kWindow == 0 && kRowBytes % 16 == 0 && kRowStride % 16 == 0, "stage geometry");
+    static constexpr int kRowChunks = kRowBytes / 16;  // 16-byte chunks of one row of a stage: 32, 32, 30, 30
+    static_assert(kStageK % kWindow == 0 && kRowBytes % 16 == 0 && kRowStride % 16 == 0, "stage geometry");
 };
 
 // The piece layouts the aligned path has, per format (kPiece < kLane: groups of 4 kPiece).
 template <class F>
-constexpr bool gemv_has_piece(int piece)
+__host__ __device__ constexpr bool gemv_has_piece(int piece)
 {
     return piece == GemvCodes<F>::kLane || (F::kBits == 8 && (piece == 4 || piece == 8)) ||
            (F::kBits == 4 && (piece == 4 || piece == 8 || piece == 16)) ||
            ((F::kBits == 6 || F::kBits == 12) && piece == 8);
 }
 
-// x in a stage: m rows of kGemvStageK elements, 16 bytes of padding per row (LDS.128 of 8 rows x 4 lanes conflict
-// free).
-template <class T>
+// x in a stage: m rows of kStageK elements, 16 bytes of padding per row (LDS.128 of 8 rows x 4 lanes conflict free).
+template <class F, class T>
 struct GemvX {
-    static constexpr int kRowBytes = kGemvStageK * int(sizeof(T));
+    static constexpr int kRowBytes = GemvCodes<F, T>::kStageK * int(sizeof(T));
     static constexpr int kStride = kRowBytes + 16;
     static constexpr int kRowChunks = kRowBytes / 16;
 };
@@ -267,32 +287,71 @@ struct Placed {
     }
 };
 
+// e3m2, e2m3 (16 codes in 12 bytes) and e4m7 (16 codes in 24 bytes): pair p takes the codes first(p) and first(p) +
+// kDelta, which sit at the same bit offset modulo 8 (FP6: 4 codes apart, e4m7: 2), so one PRMT gathers their bytes into
+// a word with the two codes 16 bits apart (the first at byte kPlace, its partner at byte kPlace + 2); then one shift
+// each places both signs (bit 15, 31) and both magnitudes (the code's mantissa top bit at the target's, value decode(q)
+// * 2^(bias - bias_t): subnormal codes become target subnormals), one LOP and one LOP3 merge them, and one exact
+// multiply of the pair by 2^(bias_t - bias) (Placed) finishes it; a shift of 0 costs nothing (class 2 of FP6, class 1
+// of e4m7 place their sign, e4m7's class 0 its magnitude, without one).
 template <class F, bool kBf16, int kPiece, class Enable = void>
-struct WindowDecode {  // e3m2, e2m3, e4m7: adjacent codes pair up; codes taken from the little-endian bit stream
-    static_assert(!F::kHasNan && !F::kHasInf, "placed decoding has no NaN / Inf codes");
+struct WindowDecode {
+    static_assert(!F::kHasNan && !F::kHasInf && (F::kBits == 6 || F::kBits == 12), "the gathered formats");
+    using P = Placed<F, kBf16>;
     static constexpr int kLane = GemvCodes<F>::kLane;
     static constexpr int kWords = GemvCodes<F>::kLaneBytes / 4;
-    __device__ __forceinline__ static constexpr int code_of(int p, int e) { return 2 * p + e; }
-    __device__ __forceinline__ static uint32_t code(const uint32_t (&w)[kWords], int i)
+    static constexpr int kDelta = F::kBits == 6 ? 4 : 2;
+    static constexpr int kMagLow = P::kTargetMbits - F::kMbits;  // where the magnitude's low bit goes in a half
+    static constexpr uint32_t kMagMask = ((1u << P::kMag) - 1) << kMagLow;
+    __device__ __forceinline__ static constexpr int first(int p)
     {
-        const int bit = i * F::kBits, word = bit / 32, shift = bit % 32;
-        uint64_t pair = w[word];
-        if (word + 1 < kWords && shift + F::kBits > 32) { pair |= uint64_t(w[word + 1]) << 32; }
-        return uint32_t(pair >> shift) & ((1u << F::kBits) - 1);
+        return F::kBits == 6 ? p % 4 + 8 * (p / 4) : p % 2 + 4 * (p / 2);
+    }
+    __device__ __forceinline__ static constexpr int code_of(int p, int e) { return first(p) + kDelta * e; }
+    static constexpr bool kXPermuted = true;  // x chunks stored in pair order (permute_x_chunk)
+    __device__ __forceinline__ static constexpr int offset(int i) { return i * F::kBits % 8; }
+    __device__ __forceinline__ static constexpr int span(int i) { return (offset(i) + F::kBits + 7) / 8; }
+    // the byte of the gathered word that takes code i's first byte: its sign lands on bit 15 if a byte move can do it
+    __device__ __forceinline__ static constexpr int place(int i)
+    {
+        return span(i) == 1 && offset(i) + F::kBits == 8 ? 1 : span(i) == 1 ? 1 : 0;
+    }
+    template <int p>
+    __device__ __forceinline__ static uint32_t pair(const uint32_t (&w)[kWords])
+    {
+        constexpr int a = first(p), b = a + kDelta;
+        constexpr int byte_a = a * F::kBits / 8, byte_b = b * F::kBits / 8, n = span(a);
+        constexpr int lo = byte_a / 4, hi = (byte_b + n - 1) / 4;  // the words holding the four bytes
+        static_assert(hi - lo <= 1 && span(b) == n && offset(b) == offset(a), "a pair gathers from two words");
+        constexpr int kPlace = place(a);
+        constexpr auto src = [](int byte) { return byte / 4 == lo ? byte % 4 : 4 + byte % 4; };
+        constexpr uint32_t sel = uint32_t(src(byte_a)) << (4 * kPlace) |
+                                 uint32_t(src(byte_a + n - 1)) << (4 * (kPlace + n - 1)) |
+                                 uint32_t(src(byte_b)) << (4 * (kPlace + 2)) |
+                                 uint32_t(src(byte_b + n - 1)) << (4 * (kPlace + n + 1));
+        const uint32_t g = prmt(w[lo], w[hi], sel);
+        constexpr int at = 8 * kPlace + offset(a);  // the first code's low bit in g
+        constexpr int sign_shift = 15 - (at + F::kBits - 1), mag_shift = kMagLow - at;
+        const uint32_t sign = shift_left<sign_shift>(g) & 0x80008000u;
+        const uint32_t mag = shift_left<mag_shift>(g) & (kMagMask | kMagMask << 16);
+        return mul_x2<kBf16>(sign | mag, P::kScale);
+    }
+    template <int... kP>
+    __device__ __forceinline__ static void decode_all(const uint32_t (&w)[kWords], uint32_t (&h)[kLane / 2],
+                                                      std::integer_sequence<int, kP...>)
+    {
+        ((h[kP] = pair<kP>(w)), ...);
     }
     __device__ __forceinline__ static void decode(const uint32_t (&w)[kWords], uint32_t (&h)[kLane / 2])
     {
-        using P = Placed<F, kBf16>;
-#pragma unroll
-        for (int p = 0; p < kLane / 2; ++p) {
-            h[p] = mul_x2<kBf16>(P::half(code(w, 2 * p)) | P::half(code(w, 2 * p + 1)) << 16, P::kScale);
-        }
+        decode_all(w, h, std::make_integer_sequence<int, kLane / 2>{});
     }
 };
 
 template <bool kBf16, int kPiece>
 struct WindowDecode<E4M3, kBf16, kPiece> {
     static constexpr int kLane = 16, kWords = 4;
+    static constexpr bool kXPermuted = false;  // adjacent codes pair up: x needs no permutation
     __device__ __forceinline__ static constexpr int code_of(int p, int e) { return 2 * p + e; }
     __device__ __forceinline__ static void decode(const uint32_t (&w)[kWords], uint32_t (&h)[kLane / 2])
     {
@@ -309,6 +368,7 @@ struct WindowDecode<E4M3, kBf16, kPiece> {
 template <bool kBf16, int kPiece>
 struct WindowDecode<E5M2, kBf16, kPiece> {
     static constexpr int kLane = 16, kWords = 4;
+    static constexpr bool kXPermuted = false;
     __device__ __forceinline__ static constexpr int code_of(int p, int e) { return 2 * p + e; }
     __device__ __forceinline__ static void decode(const uint32_t (&w)[kWords], uint32_t (&h)[kLane / 2])
     {
@@ -336,6 +396,8 @@ struct WindowDecode<E2M1, kBf16, kPiece> {
     {
         return kPiece == 4 ? 8 * (p / 4) + 4 * (p % 4 / 2) + p % 2 + 2 * e : 8 * (p / 4) + p % 4 + 4 * e;
     }
+    // x in pair order: (j, j + 4) of 8 codes; pieces of 4 (groups of 16): (j, j + 2) of each piece
+    static constexpr bool kXPermuted = true;
     template <int j>
     __device__ __forceinline__ static uint32_t pair(uint32_t q)
     {
@@ -354,6 +416,32 @@ struct WindowDecode<E2M1, kBf16, kPiece> {
     }
 };
 
+// Pair order of an 8-element chunk of x (D::kXPermuted): slot 2q + e holds element code_of(q, e) (q < 4: the pairs of
+// one chunk of a lane's codes), so that the lane's raw pairs are its B pairs.
+template <class D>
+__host__ __device__ constexpr int chunk_element(int slot)
+{
+    return D::code_of(slot / 2, slot % 2);
+}
+
+// One 16-byte chunk of 16-bit x (8 elements, 4 words) in pair order, in place: one PRMT per word.
+template <class D>
+__device__ __forceinline__ void permute_x_chunk(uint8_t* chunk)
+{
+    static_assert(chunk_element<D>(0) >= 0 && chunk_element<D>(7) < 8, "a chunk's pairs stay in the chunk");
+    uint4* p = reinterpret_cast<uint4*>(chunk);
+    const uint4 v = *p;
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int i0 = chunk_element<D>(2 * q), i1 = chunk_element<D>(2 * q + 1);
+        out[q] = prmt(w[i0 / 2], w[i1 / 2], uint32_t(i0 % 2 * 2) | uint32_t(i0 % 2 * 2 + 1) << 4 |
+                                                uint32_t(4 + i1 % 2 * 2) << 8 | uint32_t(5 + i1 % 2 * 2) << 12);
+    }
+    *p = make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // ---- the plan of one launch --------------------------------------------------------------------------------------
 
 // Computed on the host by gemv_plan, passed by value to the kernel. Positions are *virtual* k positions: the aligned
@@ -364,16 +452,17 @@ struct GemvPlan {
     int32_t group_steps;    // k16 steps per group (aligned: G / 16, or all of K for one group; padded: ceil(G / 16))
     int32_t n_groups;       // ceil(K / G)
     int32_t total_steps;    // virtual k16 steps of a row
-    int32_t total_stages;   // ceil(total_steps * 16 / kGemvStageK)
+    int32_t total_stages;   // ceil(total_steps * 16 / kStageK)
     int32_t split_stages;   // stages per split
     int32_t splits;         // grid.y
     int32_t tiles;          // grid.x: ceil(N / 64)
     int32_t stage_bytes;    // one ring stage: 64 code rows, then m rows of x
     int32_t x_offset;       // bytes from a stage's start to its x
     int32_t scale_stride;   // floats per row of the block's staged scales (4 mod 8: conflict-free LDS.128)
+    int32_t scale_groups;   // the groups a block stages per row: the most a split touches, a multiple of 8
     int32_t scale_offset;   // bytes from the start of shared memory to the staged scales
     int32_t smem_bytes;     // dynamic shared memory of a block
-    int32_t window_mode;    // aligned: windows per group (> 0), or -(steps per group) for groups smaller than a window
+    int32_t window_mode;    // groups of whole windows: windows per group (1 << 30: one group); 0: the piece layouts
     int32_t aligned;        // 1: the aligned path (cp.async ring)
     int64_t group_bytes;    // bytes of a full group's codes (padded path)
     int64_t row_bytes;      // bytes of a row of codes
@@ -389,74 +478,98 @@ struct GemvPlan {
 // are zero-filled.
 template <class F, class T, int kRows>
 struct AlignedProducer {
-    using C = GemvCodes<F>;
-    using X = GemvX<T>;
-    static constexpr int kCodeChunks = C::kRowChunks / 2;              // per lane and stage
-    static constexpr int kXRowsPerPass = kGemvThreads / X::kRowChunks;  // 4 (16-bit x), 2 (fp32)
-    static constexpr int kXPasses = (kRows + kXRowsPerPass - 1) / kXRowsPerPass;
+    using C = GemvCodes<F, T>;
+    using X = GemvX<F, T>;
+    static constexpr int kCodeChunks = C::kRowChunks / 2 + C::kRowChunks % 2;  // per lane and stage (odd: lane 0 more)
+    static constexpr int kXRowsPerPass = kGemvThreads / X::kRowChunks;         // whole rows of x per pass
+    static_assert(kXRowsPerPass >= 1, "a row of x per pass at least");
     const uint8_t* code_src;  // the lane's first chunk at the next stage to issue
     const uint8_t* x_src;
     int64_t x_pass_bytes;     // kXRowsPerPass rows of x
     uint32_t code_dst, x_dst;
-    int32_t code_col, x_col, x_row;
+    int32_t whole;            // stages left that are whole (no byte past the row)
+    int32_t x_row;            // the lane's row of x in pass 0 (kRows: none, the lanes past whole rows of a pass)
+    int32_t code_col, x_col;  // the lane's first byte within a row of a stage
 
     __device__ __forceinline__ void init(const GemvArgs& a, const GemvPlan& p, int row0, int stage0, int tid)
     {
         const int row = min(row0 + (tid >> 1), p.n - 1);  // rows past N copy the last row
         code_col = (tid & 1) * 16;
-        code_dst = uint32_t((tid >> 1) * C::kRowStride + code_col);
+        code_dst = pinned(uint32_t((tid >> 1) * C::kRowStride + code_col));
         code_src = a.w.codes + int64_t(row) * p.row_bytes + int64_t(stage0) * C::kRowBytes + code_col;
-        x_row = tid / X::kRowChunks;
+        x_row = tid < kXRowsPerPass * X::kRowChunks ? tid / X::kRowChunks : kRows;
         x_col = tid % X::kRowChunks * 16;
-        x_dst = uint32_t(p.x_offset + x_row * X::kStride + x_col);
+        x_dst = pinned(uint32_t(p.x_offset + x_row * X::kStride + x_col));
         const int64_t x_row_bytes = int64_t(p.k) * int64_t(sizeof(T));
         x_pass_bytes = x_row_bytes * kXRowsPerPass;
         x_src = static_cast<const uint8_t*>(a.x) + int64_t(x_row) * x_row_bytes + int64_t(stage0) * X::kRowBytes + x_col;
+        const int64_t whole_code = p.row_bytes / C::kRowBytes - stage0, whole_x = x_row_bytes / X::kRowBytes - stage0;
+        whole = int32_t(max(int64_t(0), min(whole_code, whole_x)));
     }
 
-    // Copies the next stage into `dst`; `code_left` / `x_left`: bytes of a code row / x row from the stage's start
-    // to the row's end.
-    __device__ __forceinline__ void issue(uint8_t* dst, const GemvPlan& p, int64_t code_left, int64_t x_left)
+    // Copies the next stage into `dst`; `stage`: its index from the row's first stage (for K's end).
+    __device__ __forceinline__ void issue(uint8_t* dst, const GemvPlan& p, int stage)
     {
-        if (code_left >= C::kRowBytes && x_left >= X::kRowBytes) {  // a whole stage
-#pragma unroll
-            for (int u = 0; u < kCodeChunks; ++u) { cp_async16(dst + code_dst + 32 * u, code_src + 32 * u, 16); }
-#pragma unroll
-            for (int q = 0; q < kXPasses; ++q) {
-                if (x_row + q * kXRowsPerPass < p.m) {
-                    cp_async16(dst + x_dst + q * kXRowsPerPass * X::kStride, x_src + q * x_pass_bytes, 16);
-                }
-            }
-        } else {  // K's end: the bytes past the row are zero-filled (no bytes read for src_bytes = 0)
+        if (--whole >= 0) {  // a whole stage
 #pragma unroll
             for (int u = 0; u < kCodeChunks; ++u) {
-                const int64_t left = code_left - code_col - 32 * u;
-                const uint32_t n = left >= 16 ? 16u : left > 0 ? uint32_t(left) : 0u;
-                cp_async16(dst + code_dst + 32 * u, n ? code_src + 32 * u : code_src - code_col, n);
-            }
-            const int64_t left = x_left - x_col;
-            const uint32_t n = left >= 16 ? 16u : left > 0 ? uint32_t(left) : 0u;
-#pragma unroll
-            for (int q = 0; q < kXPasses; ++q) {
-                if (x_row + q * kXRowsPerPass < p.m) {
-                    cp_async16(dst + x_dst + q * kXRowsPerPass * X::kStride, x_src + (n ? q * x_pass_bytes : 0) -
-                               (n ? 0 : x_col), n);
+                if (C::kRowChunks % 2 == 0 || u + 1 < kCodeChunks || code_col == 0) {  // odd chunk counts: lane 0 more
+                    cp_async16(dst + code_dst + 32 * u, code_src + 32 * u, 16);
                 }
             }
+            copy_x(dst, p, x_src, 16);
+        } else {  // K's end: the bytes past the row are zero-filled (no bytes read for src_bytes = 0)
+            // the bytes left in the row from the lane's first chunk, clamped to a stage (32-bit arithmetic per chunk)
+            const int code_left = int(min(int64_t(C::kRowBytes), p.row_bytes - int64_t(stage) * C::kRowBytes - code_col));
+            const int64_t x_left = int64_t(p.k) * int64_t(sizeof(T)) - int64_t(stage) * X::kRowBytes - x_col;
+#pragma unroll
+            for (int u = 0; u < kCodeChunks; ++u) {
+                if (C::kRowChunks % 2 == 0 || u + 1 < kCodeChunks || code_col == 0) {
+                    const uint32_t n = uint32_t(min(max(code_left - 32 * u, 0), 16));
+                    cp_async16(dst + code_dst + 32 * u, code_src + (n ? 32 * u : 0), n);
+                }
+            }
+            const uint32_t n = uint32_t(max(int64_t(0), min(int64_t(16), x_left)));
+            copy_x(dst, p, x_src, n);
         }
-        code_src += C::kRowBytes;
-        x_src += X::kRowBytes;
+        code_src += C::kRowBytes, x_src += X::kRowBytes;
+    }
+
+    // The lane's chunk of each of its rows of x (x_row, x_row + kXRowsPerPass, ... < m): n bytes of it (zero fill).
+    __device__ __forceinline__ void copy_x(uint8_t* dst, const GemvPlan& p, const uint8_t* src, uint32_t n) const
+    {
+        uint8_t* d = dst + x_dst;
+#pragma unroll 1
+        for (int m = x_row; m < p.m; m += kXRowsPerPass) {
+            cp_async16(d, n ? src : x_src, n);
+            src += x_pass_bytes, d += kXRowsPerPass * X::kStride;
+        }
+    }
+
+    // The lane's own chunks of x in a landed stage, in the decoder's pair order (after this lane's wait_group: no other
+    // lane's copies are involved; the next __syncthreads publishes them).
+    template <class D>
+    __device__ __forceinline__ void permute(uint8_t* stage, const GemvPlan& p) const
+    {
+        uint8_t* d = stage + x_dst;
+#pragma unroll 1
+        for (int m = x_row; m < p.m; m += kXRowsPerPass) {
+            permute_x_chunk<D>(d);
+            d += kXRowsPerPass * X::kStride;
+        }
     }
 };
 
 // The padded path: each (row, k16 step) of the stage read with byte loads from its group (zero codes past the group's
-// codes), and x likewise (zeros past the group); v / group_steps by a magic multiply.
-template <class F, class T>
+// codes), and x likewise (zeros past the group; in the decoder's pair order for 16-bit x when D::kXPermuted); v /
+// group_steps by a magic multiply.
+template <class F, class T, class D>
 struct PaddedProducer {
-    using C = GemvCodes<F>;
-    using X = GemvX<T>;
+    static constexpr bool kPermute = sizeof(T) == 2 && D::kXPermuted;
+    using C = GemvCodes<F, T>;
+    using X = GemvX<F, T>;
     static constexpr int kStepBytes = 2 * F::kBits;  // 16 codes
-    static constexpr int kStepsPerStage = kGemvStageK / 16;
+    static constexpr int kStepsPerStage = C::kStageK / 16;
 
     __device__ __forceinline__ static int group_of(const GemvPlan& p, int v)
     {
@@ -503,60 +616,69 @@ struct PaddedProducer {
             const T* src = x + int64_t(m) * p.k + int64_t(g) * p.group_size + j0;
             T* out = reinterpret_cast<T*>(dst + p.x_offset + m * X::kStride) + s * 16;
 #pragma unroll
-            for (int i = 0; i < 16; ++i) { out[i] = i < n_valid ? src[i] : T{}; }
+            for (int i = 0; i < 16; ++i) {
+                const int e = kPermute ? i / 8 * 8 + chunk_element<D>(i % 8) : i;
+                out[i] = e < n_valid ? src[e] : T{};
+            }
         }
     }
 };
 
 // ---- the block's scales --------------------------------------------------------------------------------------------
 
-// Group scales g0 .. g0 + p.scale_stride - 1 of the block's 64 rows, decoded to fp32 (SPEC 3: fp32 as stored, E8M0
+// Group scales g0 .. g0 + p.scale_groups - 1 of the block's 64 rows, decoded to fp32 (SPEC 3: fp32 as stored, E8M0
 // 2^(b - 127) with byte 255 NaN, NVFP4 fl(decode_e4m3(c) * t); zero past the last group) into scales[row *
-// scale_stride + g], four groups at a time, two lanes per row.
+// scale_stride + g], eight groups at a time, two lanes per row. The one-byte kinds go through a table of the 256 bytes'
+// values (`table`, 1 KiB, filled once per block): a load per scale instead of its decode.
 __device__ __forceinline__ float e8m0_to_f32(uint32_t byte)
 {
     return bits_f32(byte == kE8m0Nan ? kF32QuietNan : byte == 0 ? 0x00400000u : byte << kF32ManBits);
 }
 
-__device__ __forceinline__ void stage_scales(float* scales, const GemvArgs& a, const GemvPlan& p, int row0, int g0,
-                                             int tid)
+__device__ __forceinline__ void stage_scales(float* scales, float* table, const GemvArgs& a, const GemvPlan& p,
+                                             int row0, int g0, int tid)
 {
     const int row = tid >> 1;
-    const int64_t scale_row = int64_t(min(row0 + row, p.n - 1)) / a.w.block_rows;  // once per block
+    // once per block, 32-bit: rows < N < 2^31 and block_rows <= N (ds_fpquant.linear clamps it)
+    const int64_t scale_row = uint32_t(min(row0 + row, p.n - 1)) / uint32_t(a.w.block_rows);
     const int64_t base = scale_row * a.w.scale_cols + g0;
-    const int groups = p.n_groups - g0;
-    float* out = scales + row * p.scale_stride;
-    const int first = 4 * (tid & 1);
+    const int first = 8 * (tid & 1);  // lane pair: groups first .. first + 7, + 16, ...
+    float* out = scales + row * p.scale_stride + first;
+    int left = p.n_groups - g0 - first;  // groups of the row from the lane's next one
     if (a.w.scale_kind == LinearScale::kFp32) {
-        const float* src = static_cast<const float*>(a.w.scales) + base;
+        const float* src = static_cast<const float*>(a.w.scales) + base + first;
 #pragma unroll 1
-        for (int g = first; g < p.scale_stride; g += 8) {
-            float s[4];
+        for (int g = first; g < p.scale_groups; g += 16, src += 16, out += 16, left -= 16) {
+            float s[8];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) { s[i] = g + i < groups ? src[g + i] : 0.0f; }
-            *reinterpret_cast<float4*>(out + g) = make_float4(s[0], s[1], s[2], s[3]);
+            for (int i = 0; i < 8; ++i) { s[i] = i < left ? src[i] : 0.0f; }
+            reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+            reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
         }
-    } else if (a.w.scale_kind == LinearScale::kE8m0) {
-        const uint8_t* src = static_cast<const uint8_t*>(a.w.scales) + base;
-#pragma unroll 1
-        for (int g = first; g < p.scale_stride; g += 8) {
-            float s[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { s[i] = g + i < groups ? e8m0_to_f32(src[g + i]) : 0.0f; }
-            *reinterpret_cast<float4*>(out + g) = make_float4(s[0], s[1], s[2], s[3]);
-        }
+        return;
+    }
+    static_assert(kGemvThreads == 128, "two table entries per thread");
+    if (a.w.scale_kind == LinearScale::kE8m0) {
+        table[tid] = e8m0_to_f32(uint32_t(tid)), table[tid + 128] = e8m0_to_f32(uint32_t(tid + 128));
     } else {  // NVFP4: e4m3 codes times the tensor scale
-        const uint8_t* src = static_cast<const uint8_t*>(a.w.scales) + base;
-        const float t = a.w.tensor_scale;
+        const uint32_t two = e4m3x2_to_f16x2(uint32_t(tid) | uint32_t(tid + 128) << 8);
+        table[tid] = __fmul_rn(f16_lo_to_f32(two), a.w.tensor_scale);
+        table[tid + 128] = __fmul_rn(f16_hi_to_f32(two), a.w.tensor_scale);
+    }
+    __syncthreads();
+    const uint8_t* src = static_cast<const uint8_t*>(a.w.scales) + base + first;
 #pragma unroll 1
-        for (int g = first; g < p.scale_stride; g += 8) {
-            float s[4];
+    for (int g = first; g < p.scale_groups; g += 16, src += 16, out += 16, left -= 16) {
+        float s[8];
+        if (left >= 8) {  // the row's groups go on: no guard per load
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                s[i] = g + i < groups ? __fmul_rn(f16_lo_to_f32(e4m3x2_to_f16x2(src[g + i])), t) : 0.0f;
-            }
-            *reinterpret_cast<float4*>(out + g) = make_float4(s[0], s[1], s[2], s[3]);
+            for (int i = 0; i < 8; ++i) { s[i] = table[src[i]]; }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) { s[i] = i < left ? table[src[i]] : 0.0f; }
         }
+        reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+        reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
     }
 }
 
@@ -684,14 +806,15 @@ __device__ __forceinline__ void load_x_window(const T* row, int c, uint32_t (&ra
     }
 }
 
-// The B pairs in the decoder's order: xb[p] = (x[code_of(p, 0)], x[code_of(p, 1)]) from the raw pairs.
+// The B pairs in the decoder's order: xb[p] = (x[code_of(p, 0)], x[code_of(p, 1)]) from the raw pairs: as they are when
+// the stage's x is stored in pair order (D::kXPermuted), else by one PRMT per pair that is not two adjacent elements.
 template <class D, int kLane>
 __device__ __forceinline__ void x_pairs(const uint32_t (&raw)[kLane / 2], uint32_t (&xb)[kLane / 2])
 {
 #pragma unroll
     for (int p = 0; p < kLane / 2; ++p) {
         const int i0 = D::code_of(p, 0), i1 = D::code_of(p, 1);
-        if (i0 == 2 * p && i1 == 2 * p + 1) {
+        if (D::kXPermuted || (i0 == 2 * p && i1 == 2 * p + 1)) {
             xb[p] = raw[p];
         } else {
             xb[p] = prmt(raw[i0 / 2], raw[i1 / 2], uint32_t(i0 % 2 * 2) | uint32_t(i0 % 2 * 2 + 1) << 4 |
@@ -725,14 +848,54 @@ __device__ __forceinline__ void flush(MmaState<kNT>& st, float s_r, float s_r8)
     }
 }
 
-// mma step s of a window: chain = A_s B_s + chain.
-template <bool kBf16, int kNT, int kPairs>
+// total += scale * chain without clearing the chain (the next group's first step starts it afresh: kPeriod).
+template <int kNT>
+__device__ __forceinline__ void add_scaled(MmaState<kNT>& st, float s_r, float s_r8)
+{
+#pragma unroll
+    for (int t = 0; t < kNT; ++t) {
+        st.total[t][0] = __fmaf_rn(s_r, st.chain[t][0], st.total[t][0]);
+        st.total[t][1] = __fmaf_rn(s_r, st.chain[t][1], st.total[t][1]);
+        st.total[t][2] = __fmaf_rn(s_r8, st.chain[t][2], st.total[t][2]);
+        st.total[t][3] = __fmaf_rn(s_r8, st.chain[t][3], st.total[t][3]);
+    }
+}
+
+// mma step s of a window: chain = A_s B_s + chain, or A_s B_s + 0 for a group's first step (kFresh).
+template <bool kFresh, bool kBf16, int kNT, int kPairs>
 __device__ __forceinline__ void mma_step(MmaState<kNT>& st, const uint32_t (&ha)[kPairs], const uint32_t (&hb)[kPairs],
                                          const uint32_t (&xb)[kNT][kPairs], int s)
 {
     const uint32_t a[4] = {ha[2 * s], hb[2 * s], ha[2 * s + 1], hb[2 * s + 1]};
 #pragma unroll
-    for (int t = 0; t < kNT; ++t) { mma_16816<kBf16>(st.chain[t], a, xb[t][2 * s], xb[t][2 * s + 1], st.chain[t]); }
+    for (int t = 0; t < kNT; ++t) {
+        if constexpr (kFresh) {
+            const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_16816<kBf16>(st.chain[t], a, xb[t][2 * s], xb[t][2 * s + 1], zero);
+        } else {
+            mma_16816<kBf16>(st.chain[t], a, xb[t][2 * s], xb[t][2 * s + 1], st.chain[t]);
+        }
+    }
+}
+
+// n consecutive staged scales (n = 1, 2, 4 or 8; the row's first at a multiple of 4 floats, the run at a multiple of
+// n: vector loads).
+template <int kN>
+__device__ __forceinline__ void load_scales(const float* src, float (&out)[kN])
+{
+    if constexpr (kN % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < kN / 4; ++q) {
+            const float4 v = reinterpret_cast<const float4*>(src)[q];
+            out[4 * q] = v.x, out[4 * q + 1] = v.y, out[4 * q + 2] = v.z, out[4 * q + 3] = v.w;
+        }
+    } else if constexpr (kN == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        out[0] = v.x, out[1] = v.y;
+    } else {
+        static_assert(kN == 1, "1, 2, 4 or 8 scales");
+        out[0] = *src;
+    }
 }
 
 // How a window meets group ends: kNone (none), kLast (a group ends at the window's last step), kPeriod (groups of
@@ -746,20 +909,24 @@ __device__ __forceinline__ int window_steps(MmaState<kNT>& st, const uint32_t (&
                                             const uint32_t (&hb)[kPairs], const uint32_t (&xb)[kNT][kPairs],
                                             const float* srow_r, const float* srow_r8)
 {
-    if constexpr (kEnds == WindowEnds::kPeriod) {
+    if constexpr (kEnds == WindowEnds::kPeriod) {  // the window starts a group: every group lies in it
         constexpr int kGroups = kSteps / kPeriod;
         float s_r[kGroups], s_r8[kGroups];
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) { s_r[g] = srow_r[g], s_r8[g] = srow_r8[g]; }
+        load_scales<kGroups>(srow_r, s_r);
+        load_scales<kGroups>(srow_r8, s_r8);
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
-            mma_step<kBf16>(st, ha, hb, xb, s);
-            if (s % kPeriod == kPeriod - 1) { flush(st, s_r[s / kPeriod], s_r8[s / kPeriod]); }
+            if (s % kPeriod == 0) {
+                mma_step<true, kBf16>(st, ha, hb, xb, s);
+            } else {
+                mma_step<false, kBf16>(st, ha, hb, xb, s);
+            }
+            if (s % kPeriod == kPeriod - 1) { add_scaled(st, s_r[s / kPeriod], s_r8[s / kPeriod]); }
         }
         return kGroups;
     } else {
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) { mma_step<kBf16>(st, ha, hb, xb, s); }
+        for (int s = 0; s < kSteps; ++s) { mma_step<false, kBf16>(st, ha, hb, xb, s); }
         if constexpr (kEnds == WindowEnds::kLast) {
             flush(st, *srow_r, *srow_r8);
             return 1;
@@ -770,16 +937,20 @@ __device__ __forceinline__ int window_steps(MmaState<kNT>& st, const uint32_t (&
 
 // ---- the kernels -----------------------------------------------------------------------------------------------------
 
-// What both kernels share: the block's place, its ring of stages and their producer, its scales.
-template <class F, class T, int kRows, bool kAligned>
+// What both kernels share: the block's place, its ring of stages and their producer, its scales. The stage loop:
+// next(j) (every lane's stage j landed and in pair order, every warp done with stage j - 1: refill that buffer),
+// consume stage j, done(j) (this lane's copies of stage j + 1 landed: its x chunks to pair order).
+template <class F, class T, int kRows, bool kAligned, class D>
 struct GemvBlock {
-    using C = GemvCodes<F>;
-    using X = GemvX<T>;
-    static constexpr int kStepsPerStage = kGemvStageK / 16;
+    using C = GemvCodes<F, T>;
+    using X = GemvX<F, T>;
+    static constexpr int kStepsPerStage = C::kStageK / 16;
+    static constexpr bool kPermute = sizeof(T) == 2 && D::kXPermuted;
     uint8_t* smem;
     float* scales;
-    int row0, split, n_stages, first_step, g0;
-    int64_t code_end, x_end;  // bytes of a code row / x row from the block's first stage to the row's end
+    uint8_t* buffer_next;  // stage j's buffer at next(j); then stage j + 1's
+    uint8_t* buffer_free;  // the buffer next(j) refills: stage j - 1's (the ring's last one for j = 0)
+    int row0, split, stage0, n_stages, first_step, g0;
     AlignedProducer<F, T, kRows> producer;
 
     __device__ __forceinline__ void start(uint8_t* shared, const GemvArgs& a, const GemvPlan& p, int tid)
@@ -787,52 +958,59 @@ struct GemvBlock {
         smem = shared;
         scales = reinterpret_cast<float*>(smem + p.scale_offset);
         row0 = int(blockIdx.x) * kGemvBlockRows, split = int(blockIdx.y);
-        const int stage0 = split * p.split_stages;
+        stage0 = split * p.split_stages;
         n_stages = min(p.split_stages, p.total_stages - stage0);
         first_step = stage0 * kStepsPerStage;
         g0 = first_step / p.group_steps;  // the block's first group (once per block)
-        code_end = p.row_bytes - int64_t(stage0) * C::kRowBytes;
-        x_end = int64_t(p.k) * int64_t(sizeof(T)) - int64_t(stage0) * X::kRowBytes;
         // the first kGemvStages - 1 stages in flight (aligned) or filled (padded), then the scales
         if constexpr (kAligned) {
             producer.init(a, p, row0, stage0, tid);
 #pragma unroll
             for (int j = 0; j < kGemvStages - 1; ++j) {
-                if (j < n_stages) {
-                    producer.issue(smem + j * p.stage_bytes, p, code_end - int64_t(j) * C::kRowBytes,
-                                   x_end - int64_t(j) * X::kRowBytes);
-                }
+                if (j < n_stages) { producer.issue(smem + j * p.stage_bytes, p, stage0 + j); }
                 cp_async_commit();
             }
         } else {
 #pragma unroll 1
             for (int j = 0; j < kGemvStages - 1 && j < n_stages; ++j) {
-                PaddedProducer<F, T>::fill(smem + j * p.stage_bytes, a, p, row0, first_step + j * kStepsPerStage, tid);
+                PaddedProducer<F, T, D>::fill(smem + j * p.stage_bytes, a, p, row0, first_step + j * kStepsPerStage,
+                                              tid);
             }
         }
-        stage_scales(scales, a, p, row0, g0, tid);
+        stage_scales(scales, reinterpret_cast<float*>(smem + p.smem_bytes - 16 - 1024), a, p, row0, g0, tid);
+        buffer_next = smem, buffer_free = smem + (kGemvStages - 1) * p.stage_bytes;
+        if constexpr (kAligned) {
+            cp_async_wait<kGemvStages - 2>();  // this lane's copies of stage 0
+            if constexpr (kPermute) { producer.template permute<D>(smem, p); }
+        }
     }
 
-    // Stage j: waits for it (every warp done with stage j - 1), refills the buffer of stage j - 1 with stage
-    // j + kGemvStages - 1, returns stage j's buffer.
     __device__ __forceinline__ const uint8_t* next(const GemvArgs& a, const GemvPlan& p, int j, int tid)
     {
-        if constexpr (kAligned) { cp_async_wait<kGemvStages - 2>(); }
         __syncthreads();
         const int refill = j + kGemvStages - 1;
-        uint8_t* buffer = smem + (refill & (kGemvStages - 1)) * p.stage_bytes;
         if constexpr (kAligned) {
-            if (refill < n_stages) {
-                producer.issue(buffer, p, code_end - int64_t(refill) * C::kRowBytes,
-                               x_end - int64_t(refill) * X::kRowBytes);
-            }
+            if (refill < n_stages) { producer.issue(buffer_free, p, stage0 + refill); }
             cp_async_commit();
         } else {
             if (refill < n_stages) {
-                PaddedProducer<F, T>::fill(buffer, a, p, row0, first_step + refill * kStepsPerStage, tid);
+                PaddedProducer<F, T, D>::fill(buffer_free, a, p, row0, first_step + refill * kStepsPerStage, tid);
             }
         }
-        return smem + (j & (kGemvStages - 1)) * p.stage_bytes;
+        uint8_t* const stage = buffer_next;
+        buffer_free = stage;
+        buffer_next = stage + p.stage_bytes == smem + kGemvStages * p.stage_bytes ? smem : stage + p.stage_bytes;
+        return stage;
+    }
+
+    __device__ __forceinline__ void done(const GemvPlan& p, int j)
+    {
+        if constexpr (kAligned) {
+            cp_async_wait<kGemvStages - 2>();  // this lane's copies of stage j + 1
+            if constexpr (kPermute) {
+                if (j + 1 < n_stages) { producer.template permute<D>(buffer_next, p); }
+            }
+        }
     }
 
     // windows (window_mode > 0) left in the chain's group at the block's start
@@ -851,15 +1029,15 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(GemvArgs a, Gemv
     static_assert(gemv_has_piece<F>(kPiece) && (kAligned || kPiece == GemvCodes<F>::kLane), "no such layout");
     constexpr bool kBf16 = std::is_same<T, Bf16>::value;
     constexpr int kNT = kRows / 8;
-    using C = GemvCodes<F>;
+    using C = GemvCodes<F, T>;
     using D = WindowDecode<F, kBf16, kPiece>;
-    using X = GemvX<T>;
+    using X = GemvX<F, T>;
     constexpr int kLane = C::kLane, kPairs = kLane / 2, kSteps = C::kSteps;
     constexpr bool kWhole = kPiece == kLane;  // groups of whole windows
     FPQ_DYNAMIC_SHARED(uint4, smem4);
     const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
     const int r = lane >> 2, c = lane & 3;
-    GemvBlock<F, T, kRows, kAligned> blk;
+    GemvBlock<F, T, kRows, kAligned, D> blk;
     blk.start(reinterpret_cast<uint8_t*>(smem4), a, p, tid);
 
     MmaState<kNT> st;
@@ -874,11 +1052,15 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(GemvArgs a, Gemv
 #pragma unroll
     for (int t = 0; t < kNT; ++t) { x_rows[t] = min(8 * t + r, p.m - 1); }  // B columns past m repeat a row of x
     int left = kWhole ? blk.windows_left(p) : 0;
+    const uint32_t code_off = pinned(uint32_t((warp * 16 + r) * C::kRowStride));  // the lane's rows in a stage
+    uint32_t x_off[kNT];
+#pragma unroll
+    for (int t = 0; t < kNT; ++t) { x_off[t] = pinned(uint32_t(p.x_offset + x_rows[t] * X::kStride)); }
 
 #pragma unroll 1
     for (int j = 0; j < blk.n_stages; ++j) {
         const uint8_t* stage = blk.next(a, p, j, tid);
-        const uint8_t* code_r = stage + (warp * 16 + r) * C::kRowStride;
+        const uint8_t* code_r = stage + code_off;
 #pragma unroll
         for (int w = 0; w < C::kWindows; ++w) {
             uint32_t wa[C::kLaneBytes / 4], wb[C::kLaneBytes / 4];
@@ -891,8 +1073,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(GemvArgs a, Gemv
 #pragma unroll
             for (int t = 0; t < kNT; ++t) {
                 uint32_t raw[kPairs];
-                load_x_window<T, kLane, kPiece>(
-                    reinterpret_cast<const T*>(stage + p.x_offset + x_rows[t] * X::kStride) + w * C::kWindow, c, raw);
+                load_x_window<T, kLane, kPiece>(reinterpret_cast<const T*>(stage + x_off[t]) + w * C::kWindow, c, raw);
                 x_pairs<D, kLane>(raw, xb[t]);
             }
             int ended;
@@ -906,6 +1087,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(GemvArgs a, Gemv
             }
             srow_r += ended, srow_r8 += ended;
         }
+        blk.done(p, j);
     }
     if constexpr (kAligned) { cp_async_wait<0>(); }  // the trailing empty groups
     if (kWhole && left != p.window_mode) { flush(st, *srow_r, *srow_r8); }  // the block ends inside a group
@@ -930,20 +1112,20 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(GemvArgs a, Gemv
 // of x (fp32 x has no exact tensor-core path inside SPEC 8.2: docs/gpu.md). Each lane accumulates its share of rows
 // r and r + 8 for every row of x; the four lanes of a row add theirs at the end.
 template <class F, int kRows, int kPiece, bool kAligned>
-__global__ void __launch_bounds__(kGemvThreads) gemv_fp32_kernel(GemvArgs a, GemvPlan p)
+__global__ void __launch_bounds__(kGemvThreads, 1) gemv_fp32_kernel(GemvArgs a, GemvPlan p)
 {
     static_assert(gemv_has_piece<F>(kPiece) && (kAligned || kPiece == GemvCodes<F>::kLane), "no such layout");
     static_assert(kRows % 4 == 0, "each lane of a row writes kRows / 4 rows of x");
     using T = float;
-    using C = GemvCodes<F>;
+    using C = GemvCodes<F, T>;
     using D = WindowDecode<F, true, kPiece>;
-    using X = GemvX<T>;
+    using X = GemvX<F, T>;
     constexpr int kLane = C::kLane, kPairs = kLane / 2, kSteps = C::kSteps;
     constexpr bool kWhole = kPiece == kLane;
     FPQ_DYNAMIC_SHARED(uint4, smem4);
     const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
     const int r = lane >> 2, c = lane & 3;
-    GemvBlock<F, T, kRows, kAligned> blk;
+    GemvBlock<F, T, kRows, kAligned, D> blk;
     blk.start(reinterpret_cast<uint8_t*>(smem4), a, p, tid);
 
     float part[2][kRows], total[2][kRows];
@@ -969,14 +1151,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_fp32_kernel(GemvArgs a, Gem
             uint32_t ha[kPairs], hb[kPairs];
             D::decode(wa, ha);
             D::decode(wb, hb);
-            float fa[kLane], fb[kLane];  // the weights at the lane's codes (bf16 -> fp32: exact)
-#pragma unroll
-            for (int q = 0; q < kPairs; ++q) {
-                fa[D::code_of(q, 0)] = __uint_as_float(ha[q] << 16);
-                fa[D::code_of(q, 1)] = __uint_as_float(ha[q] & 0xffff0000u);
-                fb[D::code_of(q, 0)] = __uint_as_float(hb[q] << 16);
-                fb[D::code_of(q, 1)] = __uint_as_float(hb[q] & 0xffff0000u);
-            }
             // the steps of the window that end a group
             uint32_t ends = 0;
             if constexpr (!kWhole) {
@@ -986,41 +1160,53 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_fp32_kernel(GemvArgs a, Gem
                 ends = 1u << (kSteps - 1), left = p.window_mode;
             }
             int ended = 0;
+            // sub-windows of 16 codes (pairs 8h .. 8h + 7, steps 4h .. 4h + 3: e2m1 has two), so that the weights of
+            // one and the 2 x kRows sums stay in registers
 #pragma unroll
-            for (int m = 0; m < kRows; ++m) {
-                if (m < p.m) {
-                    float xv[kLane];  // x at the lane's codes, piece by piece
+            for (int h = 0; h < kLane / 16; ++h) {
+                float fa[16], fb[16];  // the weights at the sub-window's codes 16h + i (bf16 -> fp32: exact)
 #pragma unroll
-                    for (int jp = 0; jp < kLane / kPiece; ++jp) {
-#pragma unroll
-                        for (int q = 0; q < kPiece / 4; ++q) {
-                            const float4 v = *reinterpret_cast<const float4*>(
-                                xs + m * (X::kStride / 4) + w * C::kWindow + (4 * jp + c) * kPiece + 4 * q);
-                            xv[jp * kPiece + 4 * q] = v.x, xv[jp * kPiece + 4 * q + 1] = v.y;
-                            xv[jp * kPiece + 4 * q + 2] = v.z, xv[jp * kPiece + 4 * q + 3] = v.w;
-                        }
-                    }
-                    int gi = 0;
-#pragma unroll
-                    for (int s = 0; s < kSteps; ++s) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int i = D::code_of(2 * s + e / 2, e % 2);
-                            part[0][m] = __fmaf_rn(fa[i], xv[i], part[0][m]);
-                            part[1][m] = __fmaf_rn(fb[i], xv[i], part[1][m]);
-                        }
-                        if (ends >> s & 1u) {
-                            total[0][m] = __fmaf_rn(srow_r[gi], part[0][m], total[0][m]);
-                            total[1][m] = __fmaf_rn(srow_r8[gi], part[1][m], total[1][m]);
-                            part[0][m] = 0.0f, part[1][m] = 0.0f;
-                            ++gi;
-                        }
-                    }
-                    ended = gi;
+                for (int q = 8 * h; q < 8 * h + 8; ++q) {
+                    fa[D::code_of(q, 0) - 16 * h] = __uint_as_float(ha[q] << 16);
+                    fa[D::code_of(q, 1) - 16 * h] = __uint_as_float(ha[q] & 0xffff0000u);
+                    fb[D::code_of(q, 0) - 16 * h] = __uint_as_float(hb[q] << 16);
+                    fb[D::code_of(q, 1) - 16 * h] = __uint_as_float(hb[q] & 0xffff0000u);
                 }
+                int gi = ended;  // groups ended before this sub-window (the same for every row of x)
+#pragma unroll
+                for (int m = 0; m < kRows; ++m) {
+                    if (m < p.m) {
+                        float xv[16];  // x at the sub-window's codes, 4 consecutive codes (one piece) a load
+#pragma unroll
+                        for (int t = 0; t < 4; ++t) {
+                            const int i = 16 * h + 4 * t, piece = i / kPiece;
+                            const float4 v = *reinterpret_cast<const float4*>(
+                                xs + m * (X::kStride / 4) + w * C::kWindow + (4 * piece + c) * kPiece + i % kPiece);
+                            xv[4 * t] = v.x, xv[4 * t + 1] = v.y, xv[4 * t + 2] = v.z, xv[4 * t + 3] = v.w;
+                        }
+                        gi = ended;
+#pragma unroll
+                        for (int s = 4 * h; s < 4 * h + 4; ++s) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int i = D::code_of(2 * s + e / 2, e % 2) - 16 * h;
+                                part[0][m] = __fmaf_rn(fa[i], xv[i], part[0][m]);
+                                part[1][m] = __fmaf_rn(fb[i], xv[i], part[1][m]);
+                            }
+                            if (ends >> s & 1u) {
+                                total[0][m] = __fmaf_rn(srow_r[gi], part[0][m], total[0][m]);
+                                total[1][m] = __fmaf_rn(srow_r8[gi], part[1][m], total[1][m]);
+                                part[0][m] = 0.0f, part[1][m] = 0.0f;
+                                ++gi;
+                            }
+                        }
+                    }
+                }
+                ended = gi;
             }
             srow_r += ended, srow_r8 += ended;
         }
+        blk.done(p, j);
     }
     if constexpr (kAligned) { cp_async_wait<0>(); }
     const bool pending = kWhole && left != p.window_mode;
@@ -1072,14 +1258,15 @@ inline void gemv_magic(uint32_t d, uint32_t& magic, int32_t& shift)
     shift = l;
 }
 
-// The launch plan: 64-row tiles, and splits of K so that tiles x splits blocks give every SM about two blocks while
-// a split's staged scales stay within 64 groups (a split's whole groups and a partial one at each end). The padded
-// path pads each group to whole windows (zero codes, zero x).
+// The launch plan: 64-row tiles, and splits of K so that tiles x splits blocks give every SM about one block (its
+// kGemvStages - 1 stages in flight: 60-64 KiB of codes), at most ceil(K / 256) splits (SPEC 8.2's count) unless a
+// split's staged scales need more: they share the block's shared memory with the ring (up to 227 KiB), so then
+// splits <= ceil(K / G). The padded path pads each group to whole windows (zero codes, zero x).
 template <class F, class T>
 inline GemvPlan gemv_plan(const GemvArgs& a, int num_sms, int piece)
 {
-    using C = GemvCodes<F>;
-    using X = GemvX<T>;
+    using C = GemvCodes<F, T>;
+    using X = GemvX<F, T>;
     GemvPlan p{};
     const int64_t g = a.w.group_size, k = a.w.k;
     p.m = int32_t(a.w.m), p.n = int32_t(a.w.n), p.k = int32_t(k), p.group_size = int32_t(g);
@@ -1092,21 +1279,28 @@ inline GemvPlan gemv_plan(const GemvArgs& a, int num_sms, int piece)
         p.group_steps = int32_t(ceil_div(g, C::kWindow) * C::kSteps);
         p.total_steps = p.n_groups * p.group_steps;
     }
-    constexpr int kStepsPerStage = kGemvStageK / 16;
+    constexpr int kStepsPerStage = C::kStageK / 16;
     p.total_stages = int32_t(ceil_div(p.total_steps, kStepsPerStage));
     p.tiles = int32_t(ceil_div(a.w.n, kGemvBlockRows));
-    const int64_t want = std::max<int64_t>(1, ceil_div(2 * int64_t(std::max(num_sms, 1)), p.tiles));
-    const int64_t max_stages = std::max<int64_t>(1, 62 * int64_t(p.group_steps) / kStepsPerStage);
-    int64_t split_stages = std::min<int64_t>(std::max<int64_t>(1, ceil_div(p.total_stages, want)), max_stages);
+    p.x_offset = kGemvBlockRows * C::kRowStride;
+    p.stage_bytes = int32_t(16 * ceil_div(p.x_offset + int64_t(p.m) * X::kStride, 16));
+    p.scale_offset = kGemvStages * p.stage_bytes;
+    // the staged scales take the shared memory the ring leaves: a split's groups (its whole groups and a partial one
+    // at each end) within a row of stride 8 q + 4 <= room floats; one stage always fits (at most 65 groups)
+    const int64_t room = (kGemvMaxShared - 16 - 1024 - int64_t(p.scale_offset)) / (4 * kGemvBlockRows);
+    const int64_t max_groups = 8 * ((room - 4) / 8);
+    const int64_t max_stages = std::max<int64_t>(1, (max_groups - 2) * p.group_steps / kStepsPerStage);
+    const int64_t want = std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / p.tiles);  // splits: ~1 block per SM
+    const int64_t max_splits = std::max<int64_t>(1, ceil_div(k, 256));  // SPEC 8.2's count of split sums
+    int64_t split_stages = std::max({int64_t(1), ceil_div(p.total_stages, want), ceil_div(p.total_stages, max_splits)});
+    split_stages = std::min<int64_t>(split_stages, max_stages);
     split_stages = std::max<int64_t>(split_stages, ceil_div(p.total_stages, kGemvMaxSplits));
     p.split_stages = int32_t(split_stages);
     p.splits = int32_t(ceil_div(p.total_stages, split_stages));
     const int64_t groups = ceil_div(split_stages * kStepsPerStage, p.group_steps) + 1;
     p.scale_stride = int32_t(8 * ceil_div(groups, 8) + 4);  // 4 mod 8
-    p.x_offset = kGemvBlockRows * C::kRowStride;
-    p.stage_bytes = int32_t(16 * ceil_div(p.x_offset + int64_t(p.m) * X::kStride, 16));
-    p.scale_offset = kGemvStages * p.stage_bytes;
-    p.smem_bytes = p.scale_offset + kGemvBlockRows * p.scale_stride * 4 + 16;
+    p.scale_groups = int32_t(8 * ceil_div(groups, 8));
+    p.smem_bytes = p.scale_offset + kGemvBlockRows * p.scale_stride * 4 + 1024 + 16;  // + the byte table, the flag
     p.window_mode = p.n_groups == 1 ? (1 << 30) : piece == C::kLane || !p.aligned ? p.group_steps / C::kSteps : 0;
     p.group_bytes = group_bytes(g, F::kBits);
     p.row_bytes = a.w.row_bytes;
