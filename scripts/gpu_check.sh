@@ -10,9 +10,10 @@
 # on a short run (the GEMV of the quantized linear included); the benchmark table
 # (bf16 -> e4m3/e5m2/e2m1, G=128, 256 MiB and 2 GiB, against a device copy and torch composite
 # ops); the quantized linear against bf16 nn.Linear, model-sized, CUDA graphs for M <= 16
-# (scripts/bench_linear_cuda.py), and the GEMV alone for M = 1, 2, 4, 8, 16 against bf16 cuBLAS. Every step runs even if an earlier one failed; the summary says
-# which passed.
-# Step time limits add up to 535 s, so one call stays under 9 minutes (guesses until the first run on a
+# (scripts/bench_linear_cuda.py), and the tensor-core GEMV alone for M = 1..16 against bf16 cuBLAS and the
+# panels + cuBLAS path at the same M, on 4096x4096 and 11008x4096, with the achieved HBM bandwidth (issue 37).
+# Every step runs even if an earlier one failed; the summary says which passed.
+# Step time limits add up to 555 s, so one call stays under 9.5 minutes (guesses until the first run on a
 # device: a step that runs out is reported as rc=124 in the summary and the next one starts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,6 @@ step tests 100 $py -m pytest -q -x tests/unit/ops tests/unit/linear/test_cuda_li
 step sanitizer 60 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $py scripts/sanitize_run.py
 step bench 45 $py -m ds_fpquant bench --device cuda --sizes 256 2048 --formats e4m3 e5m2 e2m1 --group-sizes 128 --json "$out/bench.json"
 step bench_linear 90 $py scripts/bench_linear_cuda.py --repeat 10 --json "$out/bench_linear.json"
-# issue 28: the GEMV against bf16 cuBLAS (nn.Linear) for M = 1, 2, 4, 8 (the GEMV) and 16 (panels + cuBLAS)
-step bench_gemv 60 $py scripts/bench_linear_cuda.py --tokens 1 2 4 8 16 --shapes 8192x8192 28672x8192 --formats e4m3 e2m1 nvfp4 --repeat 10 --json "$out/bench_gemv.json"
+# issue 37: the GEMV (M <= 16) against bf16 cuBLAS (nn.Linear) and against the panels + cuBLAS path at the same M
+step bench_gemv 80 $py scripts/bench_linear_cuda.py --tokens $(seq 1 16) --shapes 4096x4096 11008x4096 --formats e4m3 e2m1 e3m2 e4m7 nvfp4 --paths gemv panels --repeat 10 --json "$out/bench_gemv.json"
 printf '%s\n' "${status[@]}" | tee "$out/summary.txt"

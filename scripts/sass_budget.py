@@ -172,7 +172,8 @@ class KernelModel:
     3. ``derive(inst, launch)``: a namespace ``d`` of whatever the trip counts and fractions need, and three values the
        script reads: ``d.blocks`` (grid size), ``d.threads`` (per block), ``d.dynamic_smem`` (bytes per block).
     4. ``body``: the :class:`Loop` tree, the function itself at the root (``trips=1``, its ``branches`` those outside
-       every loop), each loop with ``trips`` and ``branches`` as functions of ``d``. Write it by reading
+       every loop), each loop with ``trips`` and ``branches`` as functions of ``d`` (``body`` itself may be one,
+       where the family's instantiations have different loop trees). Write it by reading
        ``--cfg REGEX``: it prints each body's blocks in address order, its branches (guard, target, what each side
        holds) and the loop tree as found; the script refuses a model whose tree or branch counts differ.
     5. ``inflight(d, loops)``: the weight bytes one block keeps in flight (stages x stage bytes for a ``cp.async`` /
@@ -193,7 +194,7 @@ class KernelModel:
     describe: Callable[[str], Instance]
     runs: Callable[[Instance, Launch], bool]
     derive: Callable[[Instance, Launch], Any]
-    body: Loop
+    body: Union[Loop, Callable[[Any], Loop]]  # a function of ``d`` where the instantiations' loop trees differ
     inflight: Callable[[Any, Dict[str, List[str]]], float]
     steady: str
     max_m: int
@@ -201,183 +202,405 @@ class KernelModel:
     probe: Optional[Callable[[Instance], Launch]] = None
 
 
-# ---- today's GEMV (csrc/fp_quantizer/includes/fp_gemv_kernels.cuh: gemv_kernel<F, T, kRows, kFull>) -------------
-#
-# One warp per weight row, 8 warps per block. Per tile of kTile chunks: the block stages x (kTile x kCodes positions,
-# 256 threads a step, zeros past the row) and the 8 rows' chunk scales (8 x kTile, 256 a step), then each warp runs
-# its row over the tile's chunks, lane l taking chunks l, l + 32, ...; the tail adds the lanes by shuffles and lane m
-# stores row m of y. Loops: tile { x staging, scale staging, weight loop }.
-
-_GEMV_WARPS = 8
-_GEMV_THREADS = 256
-_GEMV_SHARED = 48 << 10  # kGemvSharedBytes
-
-
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gemv_codes(bits: int) -> int:
-    return 32 if bits == 4 else 16  # ChunkDecode<F>::kCodes
+# ---- the tensor-core GEMV (issue 37; fp_gemv_kernels.cuh: gemv_mma_kernel<F, T, kRows, kPiece, kAligned>, and
+# gemv_fp32_kernel<F, kRows, kPiece, kAligned> for fp32 x on CUDA cores) ----------------------------------------------
+#
+# A block of 4 warps owns 64 weight rows (a tile) and a split of K; grid (tiles, splits). Its shared memory is a ring
+# of 3 stages (codes of the 64 rows and the m rows of x, kStageK positions each) and its fp32 scales. Loops, in
+# address order: the prologue's stages (aligned: two unrolled copies of `issue`, each a whole-stage side and a K's-end
+# side with a loop over the lane's rows of x; padded: a loop over the first two stages, each filled by a loop over the
+# codes and one over x), the three scale-staging loops (NVFP4, E8M0, fp32), the aligned path's permutation of x into
+# pair order (FP6, e4m7, e2m1 with pieces >= 8), the stage loop (the refill of the stage two ahead, its x loops, the
+# permutation of the next stage, the windows: one branch per window where a group may end (groups of whole
+# windows); fp32 x: a loop over the windows, a branch per row of x), and split-K's reduction (a loop over the tile's
+# outputs, each adding the splits). Everything the branches test is known from the launch: the model enumerates the
+# blocks of every split (stages whole or at K's end, refills, group ends) and the lanes of every warp (rows of x,
+# outputs, the staged scales) as the kernel computes them (gemv_plan, AlignedProducer, stage_scales, gemv_epilogue).
+
+_MMA_WARPS = 4
+_MMA_THREADS = 128
+_MMA_TILE = 64  # kGemvBlockRows
+_MMA_STAGES = 3  # kGemvStages
+_MMA_MAX_SPLITS = 4096  # kGemvMaxSplits
+_MMA_MAX_SHARED = 227 << 10  # kGemvMaxShared
+_MMA_SMS = 132  # the SM count the stated launches plan for (H100 / H200 SXM)
 
 
-def gemv_full(bits: int, k: int, group_size: int) -> bool:
-    """gemv_full<F> for aligned code buffers: whole chunks per group, a power of two of them, whole groups per row."""
-    codes = _gemv_codes(bits)
-    chunk = codes * bits // 8
-    align = 16 if chunk % 16 == 0 else 8 if chunk % 8 == 0 else 4
-    cpg = group_size // codes
-    row_bytes = (k // group_size) * _ceil(group_size * bits, 8) + _ceil((k % group_size) * bits, 8)
-    return group_size % codes == 0 and cpg & (cpg - 1) == 0 and k % group_size == 0 and row_bytes % align == 0
+def _mma_geometry(bits: int, x_dtype: str) -> SimpleNamespace:
+    """GemvCodes<F, T> and GemvX<F, T>."""
+    g = SimpleNamespace(lane=32 if bits == 4 else 16)
+    g.steps, g.window = g.lane // 4, 4 * g.lane
+    halve = 2 if x_dtype == "fp32" and bits in (4, 6) else 1
+    g.stage_k = {8: 512, 4: 1024, 6: 640, 12: 320}[bits] // halve
+    g.windows = g.stage_k // g.window
+    g.lane_bytes, g.window_bytes, g.row_bytes = g.lane * bits // 8, g.window * bits // 8, g.stage_k * bits // 8
+    if g.lane_bytes == 16:
+        g.row_stride = g.row_bytes + (64 - g.row_bytes % 128 + 128) % 128
+    else:
+        want = 12 if g.lane_bytes == 12 else 8
+        g.row_stride = g.row_bytes + (want - (g.row_bytes // 4) % 32 + 32) % 32 * 4
+    g.row_chunks = g.row_bytes // 16
+    g.x_size = 4 if x_dtype == "fp32" else 2
+    g.x_row_bytes = g.stage_k * g.x_size
+    g.x_stride = g.x_row_bytes + 16
+    g.x_row_chunks = g.x_row_bytes // 16
+    g.x_rows_per_pass = _MMA_THREADS // g.x_row_chunks
+    g.steps_per_stage = g.stage_k // 16
+    return g
 
 
-def _gemv_describe(demangled: str) -> Instance:
-    fmt, dtype, rows, variant = describe(demangled, _format_names())
-    return Instance("", demangled, fmt, dtype, rows, variant, _format_bits()[fmt])
+def _mma_has_piece(bits: int, piece: int) -> bool:
+    """gemv_has_piece<F>."""
+    return piece == (32 if bits == 4 else 16) or (bits == 8 and piece in (4, 8)) or (
+        bits == 4 and piece in (4, 8, 16)) or (bits in (6, 12) and piece == 8)
 
 
-def _gemv_runs(inst: Instance, launch: Launch) -> bool:
-    rows = 1 if launch.m <= 1 else 2 if launch.m <= 2 else 4 if launch.m <= 4 else 8  # gemv_rows_for
-    full = gemv_full(inst.bits, launch.k, launch.group_size)
-    return (inst.fmt == launch.fmt and inst.dtype == launch.x_dtype and inst.rows == rows
-            and inst.variant == ("true" if full else "false"))
+def mma_piece(bits: int, x_dtype: str, k: int, group_size: int) -> int:
+    """gemv_piece<F, T> for 16-byte aligned buffers: the lane layout of the aligned path, or 0 (the padded path)."""
+    geo = _mma_geometry(bits, x_dtype)
+    g = min(group_size, k)
+    row = (k // g) * _ceil(g * bits, 8) + _ceil((k % g) * bits, 8)
+    if row % 16 or (k * geo.x_size) % 16:
+        return 0
+    if g >= k or g % geo.window == 0:
+        return geo.lane
+    if g % 16 == 0 and geo.window % g == 0 and _mma_has_piece(bits, g // 4):
+        return g // 4
+    return 0
 
 
-def _gemv_derive(inst: Instance, launch: Launch) -> SimpleNamespace:
-    d = SimpleNamespace(inst=inst, launch=launch, rows=inst.rows, m=launch.m, n=launch.n, k=launch.k,
-                        g=launch.group_size, full=inst.variant == "true")
-    d.codes = _gemv_codes(inst.bits)
-    d.chunk_bytes = d.codes * inst.bits // 8
-    stride = d.codes + 4
-    d.tile = _GEMV_SHARED // (4 * (d.rows * stride + _GEMV_WARPS)) // 32 * 32  # GemvTile::kChunks
-    d.dynamic_smem = 4 * (d.rows * d.tile * stride + _GEMV_WARPS * d.tile)  # GemvTile::kBytes
-    d.n_groups = _ceil(d.k, d.g)
-    d.cpg = _ceil(d.g, d.codes)
-    d.n_chunks = d.n_groups * d.cpg
-    d.blocks, d.threads = _ceil(d.n, _GEMV_WARPS), _GEMV_THREADS
-    d.warps = d.blocks * _GEMV_WARPS
-    d.tiles = _ceil(d.n_chunks, d.tile)
-    d.row_warps = d.n / d.warps  # fraction of warps with a weight row (has_row)
-    in_tile = [min(d.tile, d.n_chunks - t * d.tile) for t in range(d.tiles)]
-    d.weight_trips = sum(_ceil(c, 32) for c in in_tile) / max(d.tiles, 1)
-    _gemv_staging(d)
+def _mma_plan(bits: int, x_dtype: str, m: int, n: int, k: int, group_size: int, piece: int,
+              num_sms: int = _MMA_SMS) -> SimpleNamespace:
+    """gemv_plan<F, T>."""
+    geo = _mma_geometry(bits, x_dtype)
+    p = SimpleNamespace(m=m, n=n, k=k, g=min(group_size, k), aligned=piece != 0, piece=piece)
+    p.n_groups = _ceil(k, p.g)
+    if p.aligned:
+        p.total_steps = _ceil(k, 16)
+        p.group_steps = p.total_steps if p.n_groups == 1 else p.g // 16
+    else:
+        p.group_steps = _ceil(p.g, geo.window) * geo.steps
+        p.total_steps = p.n_groups * p.group_steps
+    p.total_stages = _ceil(p.total_steps, geo.steps_per_stage)
+    p.tiles = _ceil(n, _MMA_TILE)
+    p.x_offset = _MMA_TILE * geo.row_stride
+    p.stage_bytes = 16 * _ceil(p.x_offset + m * geo.x_stride, 16)
+    room = (_MMA_MAX_SHARED - 16 - 1024 - _MMA_STAGES * p.stage_bytes) // (4 * _MMA_TILE)
+    max_stages = max(1, (8 * ((room - 4) // 8) - 2) * p.group_steps // geo.steps_per_stage)
+    want = max(1, max(num_sms, 1) // p.tiles)
+    max_splits = max(1, _ceil(k, 256))
+    split_stages = min(max(1, _ceil(p.total_stages, want), _ceil(p.total_stages, max_splits)), max_stages)
+    p.split_stages = max(split_stages, _ceil(p.total_stages, _MMA_MAX_SPLITS))
+    p.splits = _ceil(p.total_stages, p.split_stages)
+    groups = _ceil(p.split_stages * geo.steps_per_stage, p.group_steps) + 1
+    p.scale_stride = 8 * _ceil(groups, 8) + 4
+    p.scale_groups = 8 * _ceil(groups, 8)
+    p.smem_bytes = _MMA_STAGES * p.stage_bytes + _MMA_TILE * p.scale_stride * 4 + 1024 + 16
+    p.window_mode = 1 << 30 if p.n_groups == 1 else p.group_steps // geo.steps if piece in (geo.lane, 0) else 0
+    p.row_bytes = (k // p.g) * _ceil(p.g * bits, 8) + _ceil((k % p.g) * bits, 8)
+    return p
+
+
+def _mma_describe(demangled: str) -> Instance:
+    fmt = describe(demangled, _format_names())[0]
+    args = [a.strip() for a in re.sub(r"fpq::FormatTraits<[^>]*>", "F", demangled.split("<", 1)[1].rsplit(">", 1)[0]
+                                      ).split(",")]
+    if "gemv_fp32_kernel<" in demangled:
+        dtype, (rows, piece, aligned) = "fp32", args[1:4]
+    else:
+        dtype, (rows, piece, aligned) = args[1].replace("fpq::", "").lower(), args[2:5]
+    return Instance("", demangled, fmt, dtype, int(rows), f"{piece}, {aligned}", _format_bits()[fmt])
+
+
+def _mma_layout(inst: Instance) -> Tuple[int, bool]:
+    piece, aligned = inst.variant.split(", ")
+    return int(piece), aligned == "true"
+
+
+def _mma_runs(inst: Instance, launch: Launch) -> bool:
+    piece = mma_piece(inst.bits, launch.x_dtype, launch.k, launch.group_size)
+    geo = _mma_geometry(inst.bits, launch.x_dtype)
+    want = (piece or geo.lane, piece != 0)
+    return inst.dtype == launch.x_dtype and inst.rows == (8 if launch.m <= 8 else 16) and _mma_layout(inst) == want
+
+
+def _mma_probe(inst: Instance) -> Launch:
+    """A launch of the instantiations no stated launch runs: groups of 4 kPiece (pieces), or G = 100 (padded)."""
+    piece, aligned = _mma_layout(inst)
+    m = inst.rows
+    return Launch(inst.fmt, inst.dtype, m, 4096, 4096, 4 * piece if aligned else 100)
+
+
+def _mma_derive(inst: Instance, launch: Launch) -> SimpleNamespace:
+    piece, aligned = _mma_layout(inst)
+    geo = _mma_geometry(inst.bits, inst.dtype)
+    p = _mma_plan(inst.bits, inst.dtype, launch.m, launch.n, launch.k, launch.group_size, piece if aligned else 0)
+    d = SimpleNamespace(inst=inst, launch=launch, geo=geo, p=p, m=launch.m, rows=inst.rows, piece=piece,
+                        aligned=aligned, whole_groups=piece == geo.lane, fp32=inst.dtype == "fp32",
+                        kind=launch.scale_format, bias=launch.bias)
+    d.permute = aligned and inst.dtype != "fp32" and inst.bits in (4, 6, 12)
+    d.blocks, d.threads, d.dynamic_smem = p.tiles * p.splits, _MMA_THREADS, p.smem_bytes
+    _mma_blocks(d)
+    _mma_lanes(d)
     return d
 
 
-def _gemv_staging(d: SimpleNamespace) -> None:
-    """The staging loops' trip counts and branch fractions, by enumerating every warp, tile and iteration of a block
-    (lane predicates as in the kernel; a warp runs a side when any active lane does)."""
-    x_limit, s_limit = d.tile * d.codes, _GEMV_WARPS * d.tile
-    # one block of each kind: full blocks (8 rows) and the last one (n % 8 rows)
-    kinds = [(d.n // _GEMV_WARPS, _GEMV_WARPS)] + ([(1, d.n % _GEMV_WARPS)] if d.n % _GEMV_WARPS else [])
-    x = dict(entries=0, iters=0, valid=0, load=0)
-    s = dict(entries=0, iters=0, valid=0)
-    for count, rows_in_block in kinds:
-        for t in range(d.tiles):
-            f0 = t * d.tile
-            for w in range(_GEMV_WARPS):
-                x["entries"] += count * (32 * w < x_limit)
-                for i0 in range(32 * w, x_limit, _GEMV_THREADS):
-                    active = [i for i in range(i0, i0 + 32) if i < x_limit]
-                    x["iters"] += count
-                    f = [(f0 + i // d.codes, i % d.codes) for i in active]
-                    chunk_ok = [c < d.n_chunks for c, _ in f]
-                    x["valid"] += count * any(chunk_ok)
-                    x["load"] += count * (d.m > 0 and any(ok and _gemv_x_valid(d, c, pos)
-                                                         for ok, (c, pos) in zip(chunk_ok, f)))
-                s["entries"] += count * (32 * w < s_limit)
-                for i0 in range(32 * w, s_limit, _GEMV_THREADS):
-                    active = [i for i in range(i0, i0 + 32) if i < s_limit]
-                    s["iters"] += count
-                    s["valid"] += count * any(f0 + i % d.tile < d.n_chunks and i // d.tile < rows_in_block
-                                              for i in active)
-    d.x_trips = x["iters"] / x["entries"]
-    d.x_valid = x["valid"] / x["iters"]
-    d.x_load = x["load"] / x["iters"]
-    d.s_trips = s["iters"] / s["entries"]
-    d.s_valid = s["valid"] / s["iters"]
-    d.x_run = sum(count * sum(32 * w < x_limit for w in range(_GEMV_WARPS)) for count, _ in kinds) / d.warps
-    d.s_run = sum(count * sum(32 * w < s_limit for w in range(_GEMV_WARPS)) for count, _ in kinds) / d.warps
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
 
 
-def _gemv_x_valid(d: SimpleNamespace, chunk: int, pos: int) -> bool:
-    g, c = divmod(chunk, d.cpg)
-    return c * d.codes + pos < min(d.g, d.k - g * d.g)
+def _mma_blocks(d: SimpleNamespace) -> None:
+    """The stages of every split: the prologue's, the stage loop's refills and permutations, the windows that end a
+    group; the same for every tile."""
+    p, geo = d.p, d.geo
+    x_row_bytes = p.k * geo.x_size
+    c = dict(j1=0, whole0=0, whole1=0, iters=0, refill=0, refill_whole=0, permute=0, pending=0)
+    flush = [0] * geo.windows
+    for s in range(p.splits):
+        stage0 = s * p.split_stages
+        n_st = min(p.split_stages, p.total_stages - stage0)
+        whole = max(0, min(p.row_bytes // geo.row_bytes, x_row_bytes // geo.x_row_bytes) - stage0)
+        c["whole0"] += whole > 0
+        c["j1"] += n_st >= 2
+        c["whole1"] += n_st >= 2 and whole > 1
+        for j in range(n_st):
+            c["iters"] += 1
+            c["refill"] += j + 2 < n_st
+            c["refill_whole"] += j + 2 < n_st and j + 2 < whole
+            c["permute"] += j + 1 < n_st
+            for w in range(geo.windows):
+                v = (stage0 + j) * geo.windows + w
+                flush[w] += p.window_mode > 0 and (v + 1) % p.window_mode == 0
+        c["pending"] += p.window_mode > 0 and ((stage0 + n_st) * geo.windows) % p.window_mode != 0
+    d.stage_loop_trips = c["iters"] / p.splits
+    d.prologue_whole0 = c["whole0"] / p.splits
+    d.prologue_j1 = c["j1"] / p.splits
+    d.prologue_whole1 = _ratio(c["whole1"], c["j1"])
+    d.prologue_trips = (p.splits + c["j1"]) / p.splits  # padded: min(2, n_stages) fills
+    d.refill = c["iters"] and c["refill"] / c["iters"]
+    d.refill_whole = _ratio(c["refill_whole"], c["refill"])
+    d.permute_next = c["iters"] and c["permute"] / c["iters"]
+    d.flush = [f / c["iters"] for f in flush]
+    d.pending = c["pending"] / p.splits  # blocks that end inside a group (their last chain times its scale after)
 
 
-def _gemv_top_branches(d: SimpleNamespace) -> List[Branch]:
-    out = [Skip("n_chunks < 1: no tile loop", run=float(d.n_chunks >= 1)),
-           Exit("!has_row: the warps past the last weight row", stay=d.row_warps)]
-    if d.rows == 1:
-        return out + [Exit("lane != 0 || rows_x < 1: lane 0 stores", stay=float(d.m >= 1)),
-                      Branch("a.bias == nullptr", taken=float(not d.launch.bias), fallthrough=float(d.launch.bias),
-                             match=r"fallthrough: [^|]*LDG")]
-    for r in range(d.rows - 1):
-        out.append(Skip(f"lane == {r} && {r} < rows_x: the store of row {r}", run=float(r < d.m),
-                        match=r"fallthrough: [^|]*STG"))
-        if r == 0 and d.rows == 8 and d.inst.dtype == "fp16":  # nvcc 13.0 predicates the bias load elsewhere
-            out.append(Branch("a.bias == nullptr (row 0)", taken=float(not d.launch.bias),
-                              fallthrough=float(d.launch.bias), match=r"fallthrough: [^|]*LDG"))
-    return out + [Exit(f"lane != {d.rows - 1} || {d.rows - 1} >= rows_x: the store of the last row",
-                       stay=float(d.rows - 1 < d.m))]
+def _mma_lanes(d: SimpleNamespace) -> None:
+    """Per warp (lanes as the kernel assigns them): the rows of x each lane copies, the outputs each stores."""
+    p, geo, m = d.p, d.geo, d.m
+    enter, trips = [], []
+    for w in range(_MMA_WARPS):
+        rows = []
+        for tid in range(32 * w, 32 * w + 32):
+            x_row = tid // geo.x_row_chunks if tid < geo.x_rows_per_pass * geo.x_row_chunks else d.rows
+            if x_row < m:
+                rows.append(_ceil(m - x_row, geo.x_rows_per_pass))
+        enter.append(bool(rows))
+        if rows:
+            trips.append(max(rows))
+    d.x_enter = sum(enter) / _MMA_WARPS
+    d.x_trips = sum(trips) / max(len(trips), 1)
+    # padded fills: u = tid, tid + 128, ... < 64 x steps (codes), < m x steps (x)
+    d.fill_codes_trips = _MMA_TILE * geo.steps_per_stage / _MMA_THREADS
+    x_units = m * geo.steps_per_stage
+    warps_x = [w for w in range(_MMA_WARPS) if 32 * w < x_units]
+    d.fill_x_enter = len(warps_x) / _MMA_WARPS
+    d.fill_x_trips = sum(_ceil(x_units - 32 * w, _MMA_THREADS) for w in warps_x) / max(len(warps_x), 1)
+    # the scale staging loops: g = 8 (tid & 1), + 16, ... < scale_groups (a warp turns as often as its lanes with g = 0);
+    # the byte loop's lanes with 8 groups left load them without a guard (the row's groups n_groups - g0 per split)
+    d.scale_trips = _ceil(p.scale_groups, 16)
+    full = part = its = 0
+    for sp in range(p.splits):
+        groups = p.n_groups - sp * p.split_stages * geo.steps_per_stage // p.group_steps
+        for it in range(d.scale_trips):
+            lefts = [groups - 8 * h - 16 * it for h in (0, 1) if 8 * h + 16 * it < p.scale_groups]
+            its += 1
+            full += any(left >= 8 for left in lefts)
+            part += any(left < 8 for left in lefts)
+    d.scale_full, d.scale_part = full / its, part / its
+    # the epilogue: outputs i of lane (r, c) in warp w of tile t, m_i and n_i as gemv_epilogue gets them
+    n_out = 4 * (d.rows // 8) if not d.fp32 else d.rows // 2
+    runs = [0] * n_out
+    warps = p.tiles * _MMA_WARPS
+    for t in range(p.tiles):
+        for w in range(_MMA_WARPS):
+            for i in range(n_out):
+                hit = False
+                for lane in range(32):
+                    r, cc = lane >> 2, lane & 3
+                    n_r = t * _MMA_TILE + 16 * w + r
+                    if d.fp32:
+                        mi, ni = 4 * (i // 2) + cc, n_r + 8 * (i % 2)
+                    else:
+                        mi, ni = 8 * (i // 4) + 2 * cc + (i % 4 & 1), n_r + (i % 4 >> 1) * 8
+                    hit |= mi < m and ni < p.n
+                runs[i] += hit
+    d.store = [r / warps for r in runs]
+    # split-K's last block: its warps with an output (i = tid, tid + 128, ... < 64 m), rows past N skipped
+    red = [w for w in range(_MMA_WARPS) if 32 * w < _MMA_TILE * m]
+    d.reduce_enter = len(red) / _MMA_WARPS
+    its = valid = 0
+    for t in range(p.tiles):
+        for w in red:
+            for u in range(_ceil(_MMA_TILE * m - 32 * w, _MMA_THREADS)):
+                its += 1
+                first = (32 * w + _MMA_THREADS * u) % _MMA_TILE
+                valid += t * _MMA_TILE + first < p.n
+    d.reduce_trips = _ratio(its, p.tiles * len(red))
+    d.reduce_valid = _ratio(valid, its)
 
 
-def _gemv_x_branches(d: SimpleNamespace) -> List[Branch]:
-    out = [Skip("f >= n_chunks: a zero-filled position (no group division)", run=d.x_valid,
-                match=r"fallthrough: [^|]*I2F")]
-    if d.rows == 1:  # wider instantiations predicate the loads of x
-        out.append(Skip("!valid || m >= rows_x: no load of x", run=d.x_load, match=r"fallthrough: [^|]*LDG"))
+# the branches, in address order
+
+
+def _mma_issue_branches(d: SimpleNamespace, whole: Number, run: Number = 1.0) -> List[Branch]:
+    """One `issue` of the aligned producer: its guard, the whole stage (taken) or K's end (the zero-filled copies),
+    each with the loop over the lane's rows of x behind a guard (K's end first)."""
+    out = [] if run is None else [Skip("j >= n_stages: no stage to issue", run=run)]
+    # an odd number of 16-byte chunks per row (FP6 with fp32 x): lane 0 of each row's pair copies the last one
+    odd = lambda what: [Skip(f"{what}: code_col != 0, no last chunk", run=1.0, match=r"LDGSTS")] if (  # noqa: E731
+        d.geo.row_chunks % 2) else []
+    return out + [
+        Branch("--whole >= 0: a whole stage (taken), else K's end (zero-filled copies)", taken=whole,
+               fallthrough=lambda d: 1 - _value(whole, d), match=r"taken: \d+ [^|]*LDGSTS"),
+        *odd("K's end"),
+        Skip("K's end: x_row >= m, no row of x to copy", run=lambda d: d.x_enter),
+        *odd("whole"),
+        Skip("whole: x_row >= m, no row of x to copy", run=lambda d: d.x_enter, match=r"LDGSTS")]
+
+
+def _mma_scale_branches(d: SimpleNamespace) -> List[Branch]:
+    kind = d.kind
+    return [Branch("scale_kind == fp32", taken=float(kind == "fp32"), fallthrough=float(kind != "fp32")),
+            Branch("the byte table: E8M0 (taken), else NVFP4's e4m3 times t", taken=float(kind == "e8m0"),
+                   fallthrough=float(kind == "e4m3"), match=r"fallthrough: [^|]*F2FP"),
+            Skip("first >= scale_groups: the byte loop's guard", run=1.0, match=r"LDG\.E\.U8"),
+            Skip("first >= scale_groups: the fp32 loop's guard", run=1.0, match=r"LDG\.E(?![.\w])")]
+
+
+def _mma_epilogue_branches(d: SimpleNamespace) -> List[Branch]:
+    splits = d.p.splits
+    out = [Branch("splits == 1: y directly (taken), else the workspace", taken=float(splits == 1),
+                  fallthrough=float(splits > 1)),
+           Skip("tid != 0: no arrival to count", run=1 / _MMA_WARPS, match=r"ATOMG"),
+           Exit("!last: not the tile's last block", stay=1 / splits),
+           Skip("tid >= 64 m: no output to reduce", run=lambda d: d.reduce_enter),
+           Exit("tid != 0: no counter to reset", stay=1 / _MMA_WARPS)]
+    n_out = len(d.store)
+    for i in range(n_out):
+        if i + 1 < n_out:
+            out.append(Skip(f"output {i}: m >= rows of x or n >= N", run=d.store[i], match=r"fallthrough: [^|]*FADD"))
+        else:
+            out.append(Exit(f"output {i}: m >= rows of x or n >= N", stay=d.store[i]))
+        out.append(Branch(f"output {i}: bias == nullptr (taken) or its load", taken=float(not d.bias),
+                          fallthrough=float(d.bias), match=r"fallthrough: [^|]*LDG"))
     return out
 
 
-def _gemv_scale_branches(d: SimpleNamespace) -> List[Branch]:
-    kind = d.launch.scale_format
-    return [Skip("f >= n_chunks || r >= n: a zero scale", run=d.s_valid, match=r"fallthrough: [^|]*I2F"),
-            Branch("scale_kind == fp32", taken=float(kind == "fp32"), fallthrough=float(kind != "fp32"),
-                   match=r"taken: [^|]*LDG\.E(?![.\w])"),
-            Branch("scale_kind == e8m0 (else NVFP4's e4m3)", taken=float(kind == "e8m0"),
-                   fallthrough=float(kind == "e4m3")),
-            Skip("E8M0 byte 255 (NaN) skips the power of two: scales assumed finite", run=1.0)]
+def _mma_top_branches(d: SimpleNamespace) -> List[Branch]:
+    out: List[Branch] = []
+    if d.aligned:
+        out += _mma_issue_branches(d, lambda d: d.prologue_whole0)
+        out += _mma_issue_branches(d, lambda d: d.prologue_whole1, run=lambda d: d.prologue_j1)
+    else:
+        out.append(Skip("n_stages < 1: no stage to fill", run=1.0))
+    out += _mma_scale_branches(d)
+    if d.permute:
+        out.append(Skip("x_row >= m: no row of x to put in pair order", run=lambda d: d.x_enter, match=r"PRMT"))
+    # n_stages >= 1 always: whichever side nvcc gives the stage loop runs (some instantiations invert the test)
+    out.append(Branch("n_stages >= 1: the stage loop", taken=1.0, fallthrough=1.0))
+    if not d.fp32 and d.whole_groups and d.rows == 16:  # 8 rows: predicated
+        out.append(Skip("left == window_mode: the block ends on a group's end (else its last chain times the scale)",
+                        run=lambda d: d.pending, match=r"fallthrough: [^|]*FFMA"))
+    if d.fp32 and d.whole_groups:
+        out.append(Branch("the block ends inside a group (fallthrough: its chain times the scale)",
+                          taken=lambda d: 1 - d.pending, fallthrough=lambda d: d.pending, match=r"SHFL"))
+    return out + _mma_epilogue_branches(d)
 
 
-def _gemv_inflight(d: SimpleNamespace, loops: Dict[str, List[str]]) -> float:
-    """One stage: each lane of a warp with a row loads one chunk (kChunkBytes) per weight-loop iteration and consumes
-    it in the same iteration (``unroll 1``), so a block keeps 8 x 32 x kChunkBytes in flight (512 B per warp for 8-
-    and 4-bit codes). The loop's loads in the SASS must cover the chunk (nvcc loads some e4m7 words twice)."""
-    per_lane = sum(global_load_bytes(opcode(text)) for text in loops["weight"])
-    if per_lane < d.chunk_bytes:
-        raise ModelMismatch(f"the weight loop loads {per_lane} bytes per lane, less than a chunk ({d.chunk_bytes})")
-    return _GEMV_WARPS * d.row_warps * 32 * d.chunk_bytes
+def _mma_stage_branches(d: SimpleNamespace) -> List[Branch]:
+    if d.aligned:
+        out = _mma_issue_branches(d, lambda d: d.refill_whole, run=lambda d: d.refill)
+    else:
+        out = [Skip("refill >= n_stages: no stage to fill", run=lambda d: d.refill),
+               Skip("tid >= 64 x steps: the code fill's guard", run=1.0),
+               Skip("tid >= m x steps: no x to fill", run=lambda d: d.fill_x_enter)]
+    if d.whole_groups and not d.fp32:
+        out += [Skip(f"window {w}: no group ends", run=d.flush[w], match=r"fallthrough: [^|]*FFMA")
+                for w in range(d.geo.windows)]
+    if d.permute:
+        out += [Skip("j + 1 >= n_stages: no next stage to put in pair order", run=lambda d: d.permute_next),
+                Skip("x_row >= m: no row of x to put in pair order", run=lambda d: d.x_enter, match=r"PRMT")]
+    return out
 
 
-GEMV = KernelModel(
-    family="gemv_kernel<F, T, kRows, kFull>",
-    match=r"gemv_kernel<",
-    describe=_gemv_describe,
-    runs=_gemv_runs,
-    derive=_gemv_derive,
-    body=Loop("kernel", 1, _gemv_top_branches, loops=(
-        Loop("tile", lambda d: d.tiles, lambda d: [  # the staging guards' constants check the model's kTile
-            Skip("threadIdx.x >= kTile * kCodes: no x staging", run=d.x_run,
-                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {d.tile * d.codes - 1:#x}, PT"),
-            Skip("threadIdx.x >= 8 * kTile: no scale staging", run=d.s_run,
-                 match=rf"block: .*ISETP\.GT\.AND P\d, PT, R\d+, {_GEMV_WARPS * d.tile - 1:#x}, PT"),
-            Skip("!has_row: no weight loop", run=d.row_warps),
-            Skip("f0 + lane >= f_end: the weight loop's guard", run=1.0)], loops=(
-            Loop("x staging", lambda d: d.x_trips, _gemv_x_branches),
-            Loop("scale staging", lambda d: d.s_trips, _gemv_scale_branches),
-            Loop("weight", lambda d: d.weight_trips),
-        )),
-    )),
-    inflight=_gemv_inflight,
-    steady="weight",
-    max_m=8,
-    phases=("prologue", "tile", "x staging", "scale staging", "weight", "epilogue"),
-    probe=lambda inst: Launch(inst.fmt, inst.dtype, inst.rows, 4100, 4096, 128 if inst.variant == "true" else 96),
+def _mma_window_branches(d: SimpleNamespace) -> List[Branch]:
+    """fp32 x: the window loop's rows of x (m < p.m), per sub-window of 16 codes."""
+    return [Skip(f"row {r} of x: r >= m", run=float(r < d.m), match=r"FFMA")
+            for _ in range(d.geo.lane // 16) for r in range(d.rows)]
+
+
+def _mma_body(d: SimpleNamespace) -> Loop:
+    """The loop tree of one instantiation (aligned or padded, with or without the permutation, mma or fp32)."""
+    x_copy = lambda name: Loop(name, lambda d: d.x_trips)  # noqa: E731
+    scales = (Loop("scales (bytes)", lambda d: d.scale_trips, lambda d: [
+        Branch("left >= 8: eight scales without a guard (taken), else guarded", taken=lambda d: d.scale_full,
+               fallthrough=lambda d: d.scale_part, match=r"taken: \d+ LDG"),
+        Skip("guarded: the eighth scale (7 < left, never with left < 8)", run=0.0, match=r"LDG")]),
+        Loop("scales (fp32)", lambda d: d.scale_trips))
+    if d.aligned:
+        prologue = (x_copy("prologue x (K's end)"), x_copy("prologue x"), x_copy("prologue x (K's end) 2"),
+                    x_copy("prologue x 2"))
+        stage_inner = [x_copy("stage x (K's end)"), x_copy("stage x")]
+    else:
+        prologue = (Loop("prologue fill", lambda d: d.prologue_trips, lambda d: [
+            Skip("tid >= 64 x steps: the code fill's guard", run=1.0),
+            Skip("tid >= m x steps: no x to fill", run=lambda d: d.fill_x_enter)], loops=(
+            Loop("prologue fill codes", lambda d: d.fill_codes_trips),
+            Loop("prologue fill x", lambda d: d.fill_x_trips))),)
+        stage_inner = [Loop("stage fill codes", lambda d: d.fill_codes_trips),
+                       Loop("stage fill x", lambda d: d.fill_x_trips)]
+    if d.permute:
+        stage_inner.append(Loop("stage permute", lambda d: d.x_trips))
+    if d.fp32:
+        stage_inner.append(Loop("windows", lambda d: d.geo.windows, _mma_window_branches))
+    permute = (Loop("permute", lambda d: d.x_trips),) if d.permute else ()
+    return Loop("kernel", 1, _mma_top_branches, loops=prologue + scales + permute + (
+        Loop("stage", lambda d: d.stage_loop_trips, _mma_stage_branches, loops=tuple(stage_inner)),
+        Loop("reduce", lambda d: d.reduce_trips, lambda d: [
+            Skip("n >= N: a row past the weight", run=lambda d: d.reduce_valid),
+            Skip("splits < 2: no split to add", run=1.0)], loops=(Loop("splits", lambda d: d.p.splits - 1),)),
+    ))
+
+
+def _mma_inflight(d: SimpleNamespace, loops: Dict[str, List[str]]) -> float:
+    """kGemvStages - 1 stages of the block's 64 rows of codes in flight (cp.async, committed, not yet waited for): the
+    aligned path; the padded path loads synchronously (the byte loads of one fill)."""
+    if not d.aligned:
+        return _MMA_THREADS * 2 * d.inst.bits  # one (row, step) of codes per thread in flight
+    return (_MMA_STAGES - 1) * _MMA_TILE * d.geo.row_bytes
+
+
+MMA = KernelModel(
+    family="gemv_mma_kernel<F, T, kRows, kPiece, kAligned> + gemv_fp32_kernel<F, kRows, kPiece, kAligned>",
+    match=r"gemv_(mma|fp32)_kernel<",
+    describe=_mma_describe,
+    runs=_mma_runs,
+    derive=_mma_derive,
+    body=_mma_body,
+    inflight=_mma_inflight,
+    steady="stage",
+    max_m=16,
+    phases=("prologue", "stage", "epilogue"),
+    probe=_mma_probe,
 )
 
+
 #: Every kernel family the script counts; a family none of whose functions is in the SASS is skipped.
-MODELS: Tuple[KernelModel, ...] = (GEMV,)
+MODELS: Tuple[KernelModel, ...] = (MMA,)
 #: The functions of the listing the script reads (mangled names containing this); a family's kernels must be among them.
 FUNCTIONS = "gemv"
 
@@ -712,7 +935,8 @@ def weigh(cfg: CFG, model: KernelModel, d: Any) -> Count:
     """Every block's warp executions for the launch ``d`` describes: ``d.blocks x d.threads / 32`` warps enter the
     function; each loop's header runs ``trips`` times per entry; within a body, a block runs as often as the body's
     entry when no branch controls it, else as its controlling branch's block times the fraction of that side."""
-    found_tree, model_tree = cfg.tree(), _model_tree(model.body)
+    body = model.body(d) if callable(model.body) else model.body
+    found_tree, model_tree = cfg.tree(), _model_tree(body)
 
     def check(found: List[FoundLoop], declared: Tuple[Loop, ...], where: str) -> None:
         if len(found) != len(declared):
@@ -721,7 +945,7 @@ def weigh(cfg: CFG, model: KernelModel, d: Any) -> Count:
         for f, m in zip(found, declared):
             check(f.children, m.loops, f"loop {m.name!r}")
 
-    check(cfg.top_loops, model.body.loops, "the function")
+    check(cfg.top_loops, body.loops, "the function")
     counts: Dict[int, float] = {}
     own: Dict[str, float] = {}
     total: Dict[str, float] = {}
@@ -777,7 +1001,7 @@ def weigh(cfg: CFG, model: KernelModel, d: Any) -> Count:
         return subtotal
 
     warps = d.blocks * d.threads / 32
-    whole = visit(None, model.body, warps)
+    whole = visit(None, body, warps)
     read = write = 0.0
     for start, n in counts.items():
         for _, text in cfg.blocks[start].instructions:
@@ -1066,7 +1290,7 @@ def _instance_for(model: KernelModel, instances: Sequence[Instance], launch: Lau
     return picked[0]
 
 
-def launch_table(rows: List[LaunchBudget], phases: Sequence[str] = GEMV.phases) -> str:
+def launch_table(rows: List[LaunchBudget], phases: Sequence[str] = ("prologue", "stage", "epilogue")) -> str:
     head = ["format", "x", "M", "N x K", "G", "scales", "rows, full", *phases, "whole", "loop", "loop (issue 28)",
             "regs", "spills", "smem / block", "warps / SM", "in flight / SM", "smem B / weight"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

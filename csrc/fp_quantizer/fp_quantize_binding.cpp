@@ -222,8 +222,8 @@ fpq::LinearArgs weight_args(const at::Tensor& codes, const at::Tensor& scales, c
 
 // y = x @ W^T (+ bias) by the fused kernels, W as for weight_args: on the CPU SPEC 8's formula (fp_linear_cpu.cpp:
 // exact codes, group partial sums times the group scale, fp32; bias added in fp32; one rounding to x's dtype),
-// any m; on CUDA tensors the GEMV kernel (m <= kGemvMaxRows; the same formula: exact codes, group partial sums
-// times the group scale, fp32, one rounding of sum + bias). x: (m, k) fp32 / fp16 / bf16, contiguous. The caller may instead multiply panels of
+// any m; on CUDA tensors the tensor-core GEMV (m <= kGemvMaxRows; the same formula: exact codes, group partial sums
+// (mma chains) times the group scale, fp32, one rounding of sum + bias; SPEC 8.2's tensor-core bound). x: (m, k) fp32 / fp16 / bf16, contiguous. The caller may instead multiply panels of
 // rows decoded by decode_rows (ds_fpquant.linear.weight_only).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind,
                   int64_t block_rows, double tensor_scale, const c10::optional<at::Tensor>& bias,
@@ -259,7 +259,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
         gemv.x = x.data_ptr();
         gemv.bias = b.defined() ? b.data_ptr() : nullptr;
         gemv.y = y.data_ptr();
-        fpq::linear_cuda(fmt, gemv, static_cast<void*>(c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+        // split-K scratch from torch's caching allocator on this stream: freed when linear returns, reused only by
+        // work queued after the kernel on the same stream
+        std::vector<at::Tensor> scratch;
+        auto alloc = [&](int64_t bytes, bool zeroed) -> void* {
+            const auto options = x.options().dtype(at::kByte);
+            scratch.push_back(zeroed ? at::zeros({bytes}, options) : at::empty({bytes}, options));
+            return scratch.back().data_ptr();
+        };
+        fpq::linear_cuda(fmt, gemv, static_cast<void*>(c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                         alloc);
         return y;
     }
 #endif

@@ -1,15 +1,17 @@
 // CUDA launchers of ds_fpquant (no torch includes): the kernels and their launch geometry are in
-// fp_quantize_kernels.cuh (quantize, dequantize) and fp_gemv_kernels.cuh (the fused GEMV), shared with
+// fp_quantize_kernels.cuh (quantize, dequantize) and fp_gemv_kernels.cuh (the tensor-core GEMV), shared with
 // the CPU emulation that runs them in the tests; this file adds only the <<<>>> launch on the caller's
-// stream and the launch error check.
+// stream, the device's SM count for the GEMV's plan, its shared-memory opt-in, and the launch error check.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "fp_gemv_kernels.cuh"
 #include "fp_quantize_kernels.cuh"
@@ -36,6 +38,38 @@ void launch_on_stream(Format fmt, const Args& args, void* stream, const char* wh
         });
 }
 
+void check_cuda(cudaError_t err, const char* what)
+{
+    if (err != cudaSuccess) {
+        throw std::runtime_error(std::string("ds_fpquant: ") + what + " failed: " + cudaGetErrorString(err));
+    }
+}
+
+// The current device's SM count (the GEMV's plan fills the GPU with tiles x splits blocks).
+int current_sm_count()
+{
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    return sms;
+}
+
+// Raises a kernel's dynamic shared-memory limit to `bytes` once per kernel and device (above the default 48 KiB).
+void allow_shared(const void* kernel, int bytes)
+{
+    static std::mutex mutex;
+    static std::unordered_map<const void*, int> allowed[64];
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    const std::lock_guard<std::mutex> lock(mutex);
+    int& current = allowed[device % 64][kernel];
+    if (bytes > current) {
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                   "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+        current = bytes;
+    }
+}
+
 }  // namespace
 
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream) { launch_on_stream(fmt, args, stream, "quantize"); }
@@ -45,12 +79,15 @@ void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream)
     launch_on_stream(fmt, args, stream, "dequantize");
 }
 
-void linear_cuda(Format fmt, const GemvArgs& args, void* stream)
+void linear_cuda(Format fmt, const GemvArgs& args, void* stream, const GemvScratch& scratch)
 {
-    cuda_kernels::launch_gemv(fmt, args, [&](auto kernel, dim3 grid, dim3 block, int shared_bytes) {
-        kernel<<<grid, block, shared_bytes, static_cast<cudaStream_t>(stream)>>>(args);
-        check_launch("linear");
-    });
+    cuda_kernels::launch_gemv(fmt, args, current_sm_count(), scratch,
+                              [&](auto kernel, dim3 grid, dim3 block, int shared_bytes, const GemvArgs& a,
+                                  const cuda_kernels::GemvPlan& plan) {
+                                  allow_shared(reinterpret_cast<const void*>(kernel), shared_bytes);
+                                  kernel<<<grid, block, shared_bytes, static_cast<cudaStream_t>(stream)>>>(a, plan);
+                                  check_launch("linear");
+                              });
 }
 
 }  // namespace fpq

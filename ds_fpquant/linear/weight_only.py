@@ -9,7 +9,8 @@ fused kernel's formula in plain torch (``ds_fpquant.ops.torch_backend.linear``),
 
 On CUDA tensors with the compiled op, up to ``GEMV_MAX_ROWS`` rows of ``x`` take the fused GEMV kernel, which computes
 SPEC 8.1's formula like the CPU kernel (each code decoded exactly, group partial sums times the group scale, fp32;
-one warp per weight row, codes read once, x staged in shared memory, every decoded weight used by every row of x);
+on tensor cores for bf16 / fp16 ``x``, codes read once through a ``cp.async`` ring, every decoded weight used by every
+row of x; SPEC 8.2's tensor-core bound);
 more rows decode panels of ``CUDA_PANEL_BYTES`` of weight rows in ``x``'s dtype for cuBLAS, never the whole weight
 (those still multiply by ``dequantize(W, x.dtype)``, the weights rounded to ``x``'s dtype: SPEC 8.1 says what that
 costs).
@@ -42,9 +43,9 @@ SMALL_M = {torch.float32: 32, torch.bfloat16: 32, torch.float16: 32}
 PANEL_BYTES = 8 * 2**20
 
 
-#: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``): up to 8 rows share each
-#: decoded weight; more rows take the panels + cuBLAS.
-GEMV_MAX_ROWS = 8
+#: Rows of ``x`` up to which CUDA tensors take the GEMV kernel (``fpq::kGemvMaxRows``): up to 16 rows share each
+#: decoded weight (the mma's 8-column side, two n-tiles past 8); more rows take the panels + cuBLAS.
+GEMV_MAX_ROWS = 16
 
 
 #: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),

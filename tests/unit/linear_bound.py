@@ -49,26 +49,43 @@ def exact_weight(qt):
     return d * s
 
 
-def assert_linear_within_bound(x, qt, bias, y, weights="exact"):
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tensor_core_roundings(k: int, group_size: int) -> int:
+    """SPEC 8.2's count for the CUDA tensor-core GEMV (K input features, groups of ``group_size`` along K; a 2-D
+    block's ``Bc``): a group's ``g = min(G, K)`` products accumulate in one mma chain, whose tensor-core additions
+    (blocks of at least 8 products, aligned and truncated to 24 bits, the sum truncated) err by at most ``2 u (g +
+    n_b)`` of the chain's absolute sum with ``n_b <= 2 ceil(g / 16)`` blocks: ``2 (g + 2 ceil(g / 16))``; then the
+    scale times the chain plus the running total (one FFMA), the later chains of the block, the split-K partial sums
+    (at most ``ceil(K / G) + ceil(K / 256)`` splits) and the bias: ``2 ceil(K / G) + ceil(K / 256) + 2``."""
+    g = min(group_size, max(k, 1))
+    return 2 * (g + 2 * ceil_div(g, 16)) + 2 * ceil_div(k, g) + ceil_div(k, 256) + 2
+
+
+def assert_linear_within_bound(x, qt, bias, y, weights="exact", tensor_cores=False):
     """``y`` of a quantized linear against fp64 ``x @ w^T + bias``, SPEC 8's bound. ``weights="exact"`` (every CPU
-    path and the torch backend): ``w`` = :func:`exact_weight`, the codes times their group scales exactly;
-    ``"rounded"`` (the CUDA panels): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in
-    x's dtype. Either way the path differs from the reference only in the order and rounding of its fp32 sums
-    (and one rounding to x's dtype): :func:`assert_product_within_bound`."""
+    path, the torch backend and the CUDA GEMV): ``w`` = :func:`exact_weight`, the codes times their group scales
+    exactly; ``"rounded"`` (the CUDA panels): ``w = dequantize(qt, x.dtype)``, the SPEC 5 weights in x's dtype.
+    Either way the path differs from the reference only in the order and rounding of its fp32 sums (and one rounding
+    to x's dtype): :func:`assert_product_within_bound`, with :func:`tensor_core_roundings` instead of ``K + 2`` for
+    the CUDA GEMV (``tensor_cores=True``: its mma chains truncate)."""
     if weights == "exact":
         w = exact_weight(qt)
     else:
         assert weights == "rounded", weights
         w = fpq.dequantize(qt, x.dtype, backend="torch").double().cpu()
-    assert_product_within_bound(x, w, bias, y)
+    roundings = tensor_core_roundings(qt.shape[1], qt.group_size) if tensor_cores else None
+    assert_product_within_bound(x, w, bias, y, roundings)
 
 
-def assert_product_within_bound(x, w, bias, y):
+def assert_product_within_bound(x, w, bias, y, roundings=None):
     """``y`` (in ``x``'s dtype) of any path that multiplies ``x`` by the fp64 weight ``w`` ``(N, K)`` with fp32
     products and sums (any order) and one rounding to x's dtype, against fp64 ``ref = x @ w^T + bias`` (the bias
-    rounded to x's dtype, as every path adds it): elementwise ``|y - ref| <= 2 (K + 2) eps32 sum|x||w| + eps(out) |ref|``
-    (plus half the output dtype's smallest subnormal; SPEC 8.2), NaN exactly where the reference is NaN, the same
-    Inf where it is Inf. Returns ``ref``."""
+    rounded to x's dtype, as every path adds it): elementwise ``|y - ref| <= 2 n eps32 sum|x||w| + eps(out) |ref|``
+    with ``n = K + 2`` roundings per term unless `roundings` says otherwise (plus half the output dtype's smallest
+    subnormal; SPEC 8.2), NaN exactly where the reference is NaN, the same Inf where it is Inf. Returns ``ref``."""
     x64 = x.detach().double().cpu().reshape(-1, w.shape[1])
     ref = x64 @ w.T
     size = x64.abs() @ w.abs().T
@@ -79,7 +96,8 @@ def assert_product_within_bound(x, w, bias, y):
     k = w.shape[1]
     # gamma_n <= 2 n eps32 with n = K + 2 roundings per term: its product, <= K - 1 additions, the group scale
     # times its partial sum, the bias (SPEC 8.2); K = 1 meets 3 (a GEMV run drew one 2 K eps32 missed)
-    tol = 2 * (k + 2) * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
+    n = k + 2 if roundings is None else roundings
+    tol = 2 * n * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(y64), nan), "NaN positions differ from the reference"
     inf = torch.isinf(ref)  # an Inf input with finite weights: the same signed Inf

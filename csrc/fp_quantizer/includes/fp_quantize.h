@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -133,21 +134,26 @@ void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
 // The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
 // bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
 std::vector<std::string> linear_cpu_paths();
-// y = x @ W^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh), SPEC 8.1's formula: exact
-// codes, group partial sums times the group scale, fp32, bias added in fp32, one rounding to x's dtype. `w` holds
-// the weight as for linear_cpu (codes, scales and their layout, n, k, group_size, row_bytes), m <= kGemvMaxRows
-// and weight_dtype = x's dtype; its x and y are not used.
-constexpr int kGemvMaxRows = 8;
+// y = x @ W^T + bias for few rows of x on the GPU (the tensor-core GEMV of fp_gemv_kernels.cuh), SPEC 8.1's formula:
+// exact codes, group partial sums (mma chains) times the group scale, fp32, bias added in fp32, one rounding to x's
+// dtype; SPEC 8.2's tensor-core bound. `w` holds the weight as for linear_cpu (codes, scales and their layout, n, k,
+// group_size, row_bytes), m <= kGemvMaxRows and weight_dtype = x's dtype; its x and y are not used.
+constexpr int kGemvMaxRows = 16;
 struct GemvArgs {
     LinearArgs w;
     const void* x = nullptr;     // (m, k) of w.weight_dtype, contiguous
     const void* bias = nullptr;  // optional (n,) of w.weight_dtype
     void* y = nullptr;           // (m, n) of w.weight_dtype
+    float* workspace = nullptr;  // split-K partial sums (splits, m, n), set by the launcher from GemvScratch
+    int* counters = nullptr;     // split-K arrival counters, one per 64-row tile, zero at the launch
 };
+// The GEMV's scratch allocator (the caller's, e.g. torch's caching allocator on the launch stream): `bytes` of device
+// memory, zero-filled when `zeroed`, valid until the launch has run (stream order).
+using GemvScratch = std::function<void*(int64_t bytes, bool zeroed)>;
 
 // CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream);
 void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream);
-void linear_cuda(Format fmt, const GemvArgs& args, void* stream);
+void linear_cuda(Format fmt, const GemvArgs& args, void* stream, const GemvScratch& scratch);
 
 }  // namespace fpq

@@ -52,19 +52,30 @@ MUTANTS = {
         "codes[j] = pair >> 8;\n            codes[j + 1] = pair & 0xffu;"),
     "stochastic rounding reads the wrong Philox word": (
         KERNELS, "const int skip = int(first & 3);", "const int skip = int(first & 1);"),
-    "GEMV x tile staged one element past a ragged group (reads x past the row)": (
-        GEMV, "valid = c * kCodes + pos < min(group_size, k - g * group_size);",
-        "valid = c * kCodes + pos <= min(group_size, k - g * group_size);"),
-    "GEMV warp sum one shuffle step short": (
-        GEMV, "for (int offset = 16; offset > 0; offset >>= 1) {", "for (int offset = 16; offset > 1; offset >>= 1) {"),
-    "GEMV multiplies a chunk's partial sums by the next group's scale": (
-        GEMV, "a.w.scale_cols + f / chunks_per_group);", "a.w.scale_cols + (f / chunks_per_group + 1) % n_groups);"),
-    "GEMV reads the x tile without waiting for the block to stage it (no __syncthreads)": (
-        GEMV, "        __syncthreads();\n\n        // 2. the warp's row", "\n        // 2. the warp's row"),
-    "GEMV e2m1 selector picks the wrong bytes (codes 7, 3 instead of 3, 7)": (
-        GEMV, "pair(__byte_perm(odd, 0u, 0x4431), w[i]);", "pair(__byte_perm(odd, 0u, 0x4413), w[i]);"),
-    "GEMV e5m2 pair permute swaps the two codes": (
-        GEMV, "h[2 * i] = __byte_perm(w[i], 0u, 0x1404);", "h[2 * i] = __byte_perm(w[i], 0u, 0x0414);"),
+    "GEMV mma A fragment lane mapping: a1 takes row r's k 8..15 instead of row r + 8's k 0..7": (
+        GEMV, "const uint32_t a[4] = {ha[2 * s], hb[2 * s], ha[2 * s + 1], hb[2 * s + 1]};",
+        "const uint32_t a[4] = {ha[2 * s], ha[2 * s + 1], hb[2 * s], hb[2 * s + 1]};"),
+    "GEMV mma B fragment registers swapped (x's k 8..15 against the codes' k 0..7)": (
+        GEMV, "mma_16816<kBf16>(st.chain[t], a, xb[t][2 * s], xb[t][2 * s + 1], st.chain[t]);",
+        "mma_16816<kBf16>(st.chain[t], a, xb[t][2 * s + 1], xb[t][2 * s], st.chain[t]);"),
+    "GEMV k permutation applied to the codes but not to x (x chunks left in k order)": (
+        GEMV, "*p = make_uint4(out[0], out[1], out[2], out[3]);", "(void)out;  // x left in k order"),
+    "GEMV consumes a stage without cp.async.wait_group (its copies not landed)": (
+        GEMV, "cp_async_wait<kGemvStages - 2>();  // this lane's copies of stage j + 1", ""),
+    "GEMV refills the stage about to be consumed (a stage reused before it is consumed)": (
+        GEMV, "if (refill < n_stages) { producer.issue(buffer_free, p, stage0 + refill); }",
+        "if (refill < n_stages) { producer.issue(buffer_next, p, stage0 + refill); }"),
+    "GEMV multiplies a group's chain by the next group's scale (groups of whole windows)": (
+        GEMV, "            flush(st, *srow_r, *srow_r8);", "            flush(st, srow_r[1], srow_r8[1]);"),
+    "GEMV multiplies a group's chain by the next group's scale (piece layouts)": (
+        GEMV, "add_scaled(st, s_r[s / kPeriod], s_r8[s / kPeriod]);",
+        "add_scaled(st, s_r[(s / kPeriod + 1) % kGroups], s_r8[(s / kPeriod + 1) % kGroups]);"),
+    "GEMV decodes subnormal codes as zero (an HMUL2 that flushes subnormal inputs)": (
+        GEMV, "        memcpy(&x, &a, 4);",
+        "        uint32_t f = a;\n        if (!(f & 0x7f800000u)) { f &= 0x8000ffffu; }\n"
+        "        if (!(f & 0x7f80u)) { f &= 0xffff8000u; }\n        memcpy(&x, &f, 4);"),
+    "GEMV split-K's last block adds one split short": (
+        GEMV, "for (int s = 1; s < p.splits; ++s)", "for (int s = 1; s < p.splits - 1; ++s)"),
     "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
         CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }
@@ -94,11 +105,21 @@ def battery(op: EmulatedCudaOp) -> None:
     check(op, special_input((7, 13), torch.float16, seed=3), "e3m2", 8)
     check(op, special_input((4, 37), torch.float32, seed=4), "e4m3", 37, rounding="stochastic", seed=9, offset=3)
     check(op, torch.tensor([[3.4028235e38] + [1.0] * 31]), "mxfp4")  # E8M0 scale at the top of fp32
-    # the GEMV: ragged groups and a partial block of rows; whole groups (the kFull loop) of 4- and 8-bit codes
-    for fmt, rows, k, group_size in [("e4m3", 3, 129, 48), ("e2m1", 2, 256, 32), ("e5m2", 1, 128, 64)]:
-        qt = fpq.quantize(torch.randn(11, k), fmt, group_size)
-        x, bias = torch.randn(rows, k).to(torch.bfloat16), torch.randn(11).to(torch.bfloat16)
-        assert_linear_within_bound(x, qt, bias, run_gemv(op, x, qt, bias))
+    # the GEMV (tensor cores): the padded path (ragged groups); the cp.async ring over three stages per block (one SM:
+    # no split) with groups of whole windows (e3m2: chains across windows, the x permutation) and piece layouts (e2m1,
+    # e4m7 at G=32); split-K (11 rows: one tile, a split per stage on 132 SMs); subnormal codes (weights down to 2^-11
+    # of their group's amax) of the Placed and e2m1 decoders; bf16 and fp16 x
+    gen = torch.Generator().manual_seed(7)
+    for fmt, rows, k, group_size, dtype, sms in [
+            ("e4m3", 3, 129, 48, torch.bfloat16, 132), ("e2m1", 2, 3072, 32, torch.bfloat16, 1),
+            ("e5m2", 9, 1536, 128, torch.float16, 132), ("e3m2", 5, 1920, 128, torch.bfloat16, 1),
+            ("e4m7", 4, 960, 32, torch.bfloat16, 1), ("e2m3", 1, 1280, 64, torch.bfloat16, 132)]:
+        w = torch.randn(11, k, generator=gen) * 2.0 ** -torch.randint(0, 12, (11, k), generator=gen).float()
+        qt = fpq.quantize(w, fmt, group_size)
+        x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(11, generator=gen).to(dtype)
+        op.num_sms = sms
+        assert_linear_within_bound(x, qt, bias, run_gemv(op, x, qt, bias), tensor_cores=True)
+    op.num_sms = 132
     op.misalign = {"x": 2, "out": 2, "codes": 1}
     check(op, special_input((3, 136), torch.bfloat16, seed=5), "e4m3", 64, out_dtypes=[torch.bfloat16])
     op.misalign, op.max_blocks = {}, 1

@@ -3,7 +3,6 @@ branches, weights per iteration from its FFMA and the rows of x, resources from 
 
 import importlib.util
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -243,22 +242,20 @@ def test_whole_kernel_rows_and_residency(sass_budget):
 
 
 def test_gemv_model_trip_counts(sass_budget):
-    """Today's GEMV at 4096 x 4096, G=128, e4m3 (16-code chunks, 256 per row): M=1 stages a tile of 416 chunks (48 KiB
-    / (4 x (20 + 8)), rounded down to 32): 26 x-staging iterations per thread of which the first 16 hold chunks, 13
-    scale-staging iterations of which 8 of 13 warp steps hold a real chunk, 8 weight iterations; M=8 stages 4 tiles of
-    64 chunks, none zero-filled; NVFP4 (e2m1, G=16) takes the masked instantiation, one 32-code chunk per group."""
+    """The tensor-core GEMV at 4096 x 4096, G=128, e4m3, M=1 on 132 SMs: 64 tiles of 64 rows, 8 stages of 512 codes,
+    2 splits of 4 stages (132 // 64 blocks per tile), so 128 blocks; each runs the stage loop 4 times, refilling the
+    stage two ahead in the first 2; a group (2 windows of 64 codes) ends in every second window and never inside a
+    block's last one. N=130 (3 tiles) splits K 8 ways, a stage each (test_cuda_emulation_linear's grid). The lane
+    layouts: whole windows for G=128, pieces of 4 codes for NVFP4's G=16 and 8 for e2m1 at G=32, padded for G=100."""
     sb = sass_budget
-    inst = sb.Instance("", "", "e4m3", "bf16", 1, "true", 8)
-    d = sb._gemv_derive(inst, sb.Launch("e4m3", "bf16", 1, 4096, 4096, 128))
-    assert (d.tile, d.tiles, d.n_chunks, d.dynamic_smem) == (416, 1, 256, 4 * (416 * 20 + 8 * 416))
-    assert (d.x_trips, d.x_valid, d.x_load) == (26, 16 / 26, 16 / 26)
-    assert (d.s_trips, d.s_valid, d.weight_trips) == (13, 8 / 13, 8)
-    assert (d.x_run, d.s_run, d.row_warps, d.blocks) == (1, 1, 1, 512)
-    d8 = sb._gemv_derive(replace(inst, rows=8), sb.Launch("e4m3", "bf16", 8, 4096, 4096, 128))
-    assert (d8.tile, d8.tiles, d8.x_trips, d8.x_valid) == (64, 4, 4, 1)
-    assert (d8.s_trips, d8.s_valid, d8.weight_trips) == (2, 1, 2)
-    ragged = sb._gemv_derive(inst, sb.Launch("e4m3", "bf16", 1, 4100, 4096, 128))
-    assert ragged.blocks == 513 and ragged.row_warps == 4100 / 4104
-    assert sb.gemv_full(4, 4096, 32) and not sb.gemv_full(4, 4096, 16) and not sb.gemv_full(8, 4096, 96)
-    nvfp4 = sb.Launch("e2m1", "bf16", 1, 4096, 4096, 16, "e4m3")
-    assert sb._gemv_runs(sb.Instance("", "", "e2m1", "bf16", 1, "false", 4), nvfp4)
+    p = sb._mma_plan(8, "bf16", 1, 4096, 4096, 128, 16)
+    assert (p.tiles, p.total_stages, p.split_stages, p.splits, p.window_mode) == (64, 8, 4, 2, 2)
+    # a stage: 64 code rows of 512 bytes (+ 64 bytes of padding), one x row of 512 bf16 (+ 16); 24 staged groups a row
+    assert (p.stage_bytes, p.scale_groups, p.smem_bytes) == (64 * 576 + 1040, 24, 3 * 37904 + 64 * 28 * 4 + 1040)
+    d = sb._mma_derive(sb.Instance("", "", "e4m3", "bf16", 8, "16, true", 8), sb.Launch("e4m3", "bf16", 1, 4096, 4096,
+                                                                                      128))
+    assert (d.blocks, d.stage_loop_trips, d.refill, d.pending) == (128, 4, 0.5, 0)
+    assert d.flush == [0.0, 1.0] * 4 and d.store == [1.0, 0.0, 1.0, 0.0]  # lane (r, c): row 2c + i % 2 of x
+    small = sb._mma_plan(8, "bf16", 4, 130, 4096, 128, 16)
+    assert (small.tiles, small.splits, small.split_stages) == (3, 8, 1)
+    assert [sb.mma_piece(4, "bf16", 4096, g) for g in (128, 16, 32, 100)] == [32, 4, 8, 0]

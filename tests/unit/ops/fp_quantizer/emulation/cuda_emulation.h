@@ -27,6 +27,15 @@
 // - Dynamic shared memory (FPQ_DYNAMIC_SHARED, the kernels' `extern __shared__`): one heap buffer of exactly the
 //   launch's bytes per block (ASan reports any access past it), filled with 0xFF (fp32 NaN) before each block
 //   runs, so a read before the writes a __syncthreads should have waited for shows up as NaN.
+// - The tensor-core GEMV's intrinsics, each from the PTX ISA: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16} (a
+//   warp collective: every lane's A, B and C fragments placed by the ISA's "Matrix Fragments for mma.m16n8k16 with
+//   floating point type", every output computed with the worst case SPEC 8.2 allows: exact products, added to the
+//   accumulator in blocks of 8, the terms aligned to the largest exponent and truncated to 24 bits, the sum truncated
+//   to fp32), cp.async.cg.shared.global 16 with src-size zero fill and commit_group / wait_group (a copy poisons its
+//   destination with 0xFF when issued and lands only at the wait_group that covers its group: a read before the wait,
+//   or a stage refilled while another warp still reads it, sees the poison; copies still pending when a thread exits
+//   are reported), mul.rn.bf16x2 (__hmul2 of __nv_bfloat162: RNE, bf16 subnormals kept), cvt.rn.bf16x2.f32
+//   (__floats2bfloat162_rn), atomicAdd on int, __threadfence, ld.global.cg (__ldcg), mul.hi.u32 (__umulhi).
 // Every reported fault prints "cuda-emulation: ..." on stderr and aborts the process.
 #pragma once
 
@@ -81,6 +90,7 @@ struct alignas(8) float2 {
     float x, y;
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 // ---- math: IEEE round-to-nearest fp32 operations (build with -ffp-contract=off) -----------------
@@ -251,6 +261,57 @@ inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t x, __nv_fp8_i
     return {fpq_emu::fp8_to_f16(x & 0xffu, e4m3), fpq_emu::fp8_to_f16(unsigned(x) >> 8, e4m3)};
 }
 
+// bf16 pairs (cuda_bf16.h names): bits of the low and the high half.
+struct alignas(4) __nv_bfloat162 {
+    unsigned short x, y;
+};
+
+namespace fpq_emu {
+
+inline double bf16_value(unsigned short h)
+{
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return double(f);  // every bf16 is a float
+}
+
+// bfloat16 bits of v rounded to nearest, ties to even (8 exponent bits, 7 fraction bits, subnormals down to 2^-133,
+// overflow to Inf; NaN canonical 0x7FFF).
+inline unsigned short bf16_round(double v)
+{
+    if (std::isnan(v)) { return 0x7fff; }
+    const unsigned short sign = std::signbit(v) ? 0x8000 : 0;
+    const double a = std::fabs(v);
+    if (a >= std::ldexp(2.0 - std::ldexp(1.0, -8), 127)) { return sign | 0x7f80; }  // max + half an ulp: ties to Inf
+    if (a == 0.0) { return sign; }
+    int e;
+    std::frexp(a, &e);                          // leading bit 2^(e-1)
+    const int quantum = std::max(e - 8, -133);  // 7 fraction bits; the subnormal step 2^-133
+    const double r = std::nearbyint(std::ldexp(a, -quantum)) * std::ldexp(1.0, quantum);
+    if (r == 0.0) { return sign; }
+    std::frexp(r, &e);
+    if (e - 1 < -126) { return sign | (unsigned short)std::ldexp(r, 133); }
+    return sign | (unsigned short)((e - 1 + 127) << 7) | (unsigned short)(std::ldexp(r, 8 - e) - 128.0);
+}
+
+}  // namespace fpq_emu
+
+// mul.rn.bf16x2: each half the exact product (a double) rounded once to bf16, subnormals kept.
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b)
+{
+    return {fpq_emu::bf16_round(fpq_emu::bf16_value(a.x) * fpq_emu::bf16_value(b.x)),
+            fpq_emu::bf16_round(fpq_emu::bf16_value(a.y) * fpq_emu::bf16_value(b.y))};
+}
+
+// cvt.rn.bf16x2.f32: lo to the low half, hi to the high half, each rounded to nearest even.
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi)
+{
+    return {fpq_emu::bf16_round(double(lo)), fpq_emu::bf16_round(double(hi))};
+}
+
+inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * b) >> 32); }
+
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s)
 {
     const uint64_t bytes = uint64_t(y) << 32 | x;  // byte 0..3 of x, 4..7 of y
@@ -350,13 +411,21 @@ constexpr int kWarpSize = 32;
 constexpr size_t kStackBytes = size_t(64) << 10;
 
 enum class State { kRunnable, kShuffle, kSync, kExited };
-enum class ShflKind { kIdx, kUp, kDown, kXor, kSyncWarp };
+enum class ShflKind { kIdx, kUp, kDown, kXor, kSyncWarp, kMma };
 inline const char* kind_name(ShflKind k)
 {
     static const char* names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
-                                  "__syncwarp"};
+                                  "__syncwarp", "mma.sync.aligned.m16n8k16"};
     return names[int(k)];
 }
+
+// One cp.async: its destination in shared memory and the bytes it will write there (src-size bytes of the source,
+// read when issued (inputs are read-only), then zeros).
+struct AsyncCopy {
+    unsigned char* dst;
+    unsigned char bytes[16];
+    int size;
+};
 
 struct Thread {
     Context context;
@@ -369,6 +438,13 @@ struct Thread {
     int arg = 0, width = kWarpSize, line = 0;
     const char* file = "";
     uint64_t value = 0, result = 0;
+    // the fragments of the mma.sync this thread waits in (A: 4 registers, B: 2, C and D: 4 floats)
+    uint32_t mma_a[4] = {}, mma_b[2] = {};
+    float mma_c[4] = {}, mma_d[4] = {};
+    // cp.async: the copies issued since the last commit_group, and the committed groups not yet waited for (oldest
+    // first)
+    std::vector<AsyncCopy> cp_open;
+    std::vector<std::vector<AsyncCopy>> cp_groups;
 #if defined(FPQ_EMU_ASAN)
     void* fake_stack = nullptr;
 #endif
@@ -442,6 +518,97 @@ inline void describe(const Thread& t, char* buf, size_t n)
     }
 }
 
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 ------------------------------------------------
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), groupID = lane >> 2,
+// threadID_in_group = lane % 4; a register's lower 16 bits hold the element of lower index:
+//   A (16 x 16, row): a_i (i = 0..7, registers a[i / 2]) at row groupID for i in {0, 1, 4, 5}, groupID + 8 otherwise,
+//     column threadID_in_group * 2 + (i & 1), + 8 for i >= 4;
+//   B (16 x 8, col): b_i (i = 0..3, registers b[i / 2]) at row threadID_in_group * 2 + (i & 1), + 8 for i >= 2,
+//     column groupID;
+//   C, D (16 x 8): c_i (i = 0..3) at row groupID, + 8 for i >= 2, column threadID_in_group * 2 + (i & 1).
+// Arithmetic: PTX leaves the accumulation's order, rounding and subnormal handling unspecified ("at least single
+// precision"); this executes the worst case SPEC 8.2 allows: each product exact (a double), the products added to
+// the accumulator in blocks of kMmaBlock, each block's terms (the accumulator and its products) aligned to the largest
+// exponent among them and truncated toward zero to 24 bits below that exponent's leading bit (no extra alignment bits),
+// summed exactly, and the sum truncated toward zero to fp32 (subnormal results kept: multiples of 2^-149). A NaN
+// operand or product, or Inf with -Inf, gives NaN (canonical); Inf otherwise stays.
+constexpr int kMmaBlock = 8;
+
+inline float fp32_toward_zero(double v)  // v exact in double
+{
+    if (v == 0.0) { return 0.0f; }
+    const double a = std::fabs(v);
+    int e;
+    std::frexp(a, &e);  // leading bit 2^(e-1)
+    if (e - 1 > 127) { return std::signbit(v) ? -INFINITY : INFINITY; }
+    const int quantum = std::max(e - 24, -149);
+    const double t = std::floor(std::ldexp(a, -quantum)) * std::ldexp(1.0, quantum);
+    return float(std::signbit(v) ? -t : t);
+}
+
+inline float mma_output(float c, const double (&products)[16])
+{
+    bool nan = std::isnan(c), pos_inf = c == INFINITY, neg_inf = c == -INFINITY;
+    for (double q : products) { nan |= std::isnan(q), pos_inf |= q == INFINITY, neg_inf |= q == -INFINITY; }
+    if (nan || (pos_inf && neg_inf)) { return __builtin_bit_cast(float, 0x7fffffffu); }
+    if (pos_inf || neg_inf) { return pos_inf ? INFINITY : -INFINITY; }
+    float acc = c;
+    for (int b0 = 0; b0 < 16; b0 += kMmaBlock) {
+        double terms[kMmaBlock + 1];
+        terms[0] = double(acc);
+        for (int i = 0; i < kMmaBlock; ++i) { terms[1 + i] = products[b0 + i]; }
+        int top = INT32_MIN;
+        for (double t : terms) {
+            if (t != 0.0) {
+                int e;
+                std::frexp(std::fabs(t), &e);
+                top = std::max(top, e - 1);
+            }
+        }
+        if (top == INT32_MIN) { continue; }  // nothing to add
+        const double unit = std::ldexp(1.0, top - 23);
+        double sum = 0.0;  // exact: at most 9 multiples of unit below 2^(top + 1)
+        for (double t : terms) { sum += std::trunc(t / unit) * unit; }
+        acc = fp32_toward_zero(sum);
+    }
+    return acc;
+}
+
+inline double mma_element(uint32_t reg, int half, bool bf16)
+{
+    const unsigned short bits = (unsigned short)(half ? reg >> 16 : reg & 0xffffu);
+    return bf16 ? bf16_value(bits) : f16_value(bits);
+}
+
+inline void complete_mma(Thread* const (&lanes)[kWarpSize], bool bf16)
+{
+    double a[16][16], b[16][8];
+    float c[16][8];
+    for (int lane = 0; lane < kWarpSize; ++lane) {
+        const Thread& t = *lanes[lane];
+        const int group = lane >> 2, tig = lane & 3;
+        for (int i = 0; i < 8; ++i) {
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8, col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+            a[row][col] = mma_element(t.mma_a[i / 2], i & 1, bf16);
+        }
+        for (int i = 0; i < 4; ++i) {
+            b[tig * 2 + (i & 1) + (i >= 2 ? 8 : 0)][group] = mma_element(t.mma_b[i / 2], i & 1, bf16);
+            c[group + (i >= 2 ? 8 : 0)][tig * 2 + (i & 1)] = t.mma_c[i];
+        }
+    }
+    for (int lane = 0; lane < kWarpSize; ++lane) {
+        Thread& t = *lanes[lane];
+        const int group = lane >> 2, tig = lane & 3;
+        for (int i = 0; i < 4; ++i) {
+            const int row = group + (i >= 2 ? 8 : 0), col = tig * 2 + (i & 1);
+            double products[16];
+            for (int k = 0; k < 16; ++k) { products[k] = a[row][k] * b[k][col]; }  // exact: 8- or 11-bit significands
+            t.mma_d[i] = mma_output(c[row][col], products);
+        }
+    }
+}
+
 // Releases the shuffle of `warp` when every lane of `me`'s mask waits in it; reports a mismatch.
 inline void try_complete_shuffle(int warp, const Thread& me)
 {
@@ -471,6 +638,11 @@ inline void try_complete_shuffle(int warp, const Thread& me)
                  l->block_idx.y, l->block_idx.z, mine, buf);
         }
     }
+    if (me.kind == ShflKind::kMma) {  // everyone is here: the warp's matrix multiply-accumulate
+        complete_mma(lanes, me.arg != 0);
+        for (int lane = 0; lane < kWarpSize; ++lane) { lanes[lane]->state = State::kRunnable; }
+        return;
+    }
     // everyone is here: each lane reads its source (CUDA's rules for width segments)
     for (int lane = 0; lane < kWarpSize; ++lane) {
         if (!(me.mask >> lane & 1u)) { continue; }
@@ -485,7 +657,8 @@ inline void try_complete_shuffle(int warp, const Thread& me)
             case ShflKind::kUp: src = lane - b >= base ? lane - b : lane; break;
             case ShflKind::kDown: src = lane + b <= max_lane ? lane + b : lane; break;
             case ShflKind::kXor: src = (lane ^ b) <= max_lane ? lane ^ b : lane; break;
-            case ShflKind::kSyncWarp: break;
+            case ShflKind::kSyncWarp:
+            case ShflKind::kMma: break;
         }
         if (!(me.mask >> src & 1u)) {
             fail("%s at %s:%d: lane %d reads lane %d, which mask 0x%08x does not name (undefined on a GPU)",
@@ -522,6 +695,59 @@ T warp_exchange(ShflKind kind, unsigned mask, T var, int arg, int width, const c
     return out;
 }
 
+// The warp's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: every lane must take part (.aligned, full warp).
+inline void mma_m16n8k16_f32(bool bf16, float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                             const float (&c)[4], const char* file = __builtin_FILE(), int line = __builtin_LINE())
+{
+    Thread& me = self();
+    for (int i = 0; i < 4; ++i) { me.mma_a[i] = a[i], me.mma_c[i] = c[i]; }
+    me.mma_b[0] = b0, me.mma_b[1] = b1;
+    me.kind = ShflKind::kMma, me.mask = 0xffffffffu, me.arg = bf16 ? 1 : 0, me.width = kWarpSize;
+    me.file = file, me.line = line;
+    me.state = State::kShuffle;
+    try_complete_shuffle(linear_tid(me) / kWarpSize, me);
+    while (me.state != State::kRunnable) { yield_to_scheduler(); }
+    for (int i = 0; i < 4; ++i) { d[i] = me.mma_d[i]; }
+}
+
+// cp.async.cg.shared.global [dst], [src], cp_size, src_size (cp_size 16): both addresses aligned to 16, dst inside the
+// launch's dynamic shared memory. The destination reads as 0xFF until the copy lands.
+inline void cp_async(void* dst, const void* src, int cp_size, unsigned src_size)
+{
+    Thread& me = self();
+    Launch* l = active();
+    auto* d = static_cast<unsigned char*>(dst);
+    if (cp_size != 16 || src_size > 16) { fail("cp.async with cp-size %d, src-size %u (emulated: 16, <= 16)", cp_size, src_size); }
+    if (l->shared == nullptr || d < l->shared->data() || d + 16 > l->shared->data() + l->shared->size()) {
+        fail("cp.async destination %p outside the block's %zu bytes of dynamic shared memory", dst,
+             l->shared ? l->shared->size() : size_t(0));
+    }
+    if (reinterpret_cast<uintptr_t>(d) % 16 || (src_size > 0 && reinterpret_cast<uintptr_t>(src) % 16)) {
+        fail("cp.async of 16 bytes with a misaligned address (dst %p, src %p)", dst, src);
+    }
+    AsyncCopy copy{d, {}, 16};
+    if (src_size > 0) { std::memcpy(copy.bytes, src, src_size); }
+    std::memset(d, 0xff, 16);
+    me.cp_open.push_back(copy);
+}
+
+inline void cp_async_commit_group()
+{
+    Thread& me = self();
+    me.cp_groups.push_back(std::move(me.cp_open));
+    me.cp_open.clear();
+}
+
+// cp.async.wait_group n: every committed group of this thread but the n most recent lands.
+inline void cp_async_wait_group(int n)
+{
+    Thread& me = self();
+    while (int(me.cp_groups.size()) > n) {
+        for (const AsyncCopy& copy : me.cp_groups.front()) { std::memcpy(copy.dst, copy.bytes, size_t(copy.size)); }
+        me.cp_groups.erase(me.cp_groups.begin());
+    }
+}
+
 inline void release_sync_if_complete()
 {
     Launch* l = active();
@@ -549,6 +775,10 @@ inline void thread_entry()
 #endif
     (*l->body)();
     Thread& me = *l->current;
+    if (!me.cp_open.empty() || !me.cp_groups.empty()) {
+        fail("thread %d exited with %zu cp.async copies not committed and %zu commit groups not waited for",
+             linear_tid(me), me.cp_open.size(), me.cp_groups.size());
+    }
     me.state = State::kExited;
     release_sync_if_complete();
     // a shuffle that waits for this thread can never complete: report it now
@@ -709,3 +939,13 @@ namespace fpq_emu {
 inline int optional_int(int fallback) { return fallback; }
 inline int optional_int(int, int given) { return given; }
 }  // namespace fpq_emu
+
+// ---- global memory: blocks run one after another on one host thread, so atomics and fences are plain ----------------
+inline int atomicAdd(int* address, int value)
+{
+    const int old = *address;
+    *address = old + value;
+    return old;
+}
+inline void __threadfence() {}
+inline float __ldcg(const float* p) { return *p; }

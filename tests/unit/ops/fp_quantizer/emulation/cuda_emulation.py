@@ -50,7 +50,7 @@ ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
 RESPONSE_TIMEOUT_S = 330
 _MAGIC = 0x31554D4551504655
 _REQUEST = struct.Struct("<Q8i4q2Q6q3q2ifi")
-_RESPONSE = struct.Struct("<Q5q3Q")
+_RESPONSE = struct.Struct("<Q5q3Q2q")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fpq::DType
 _SCALE_MODES = {"": 0, "ceil": 1, "floor": 2}  # fpq::ScaleMode
 _SCALE_KINDS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # fpq::LinearScale
@@ -114,6 +114,8 @@ class LaunchInfo:
     team_log2: int
     total_groups: int
     threads: int
+    grid_y: int = 1  # the GEMV: splits of K
+    shared_bytes: int = 0  # the GEMV: dynamic shared memory per block
 
     @property
     def grid_stride_wraps(self) -> bool:
@@ -127,7 +129,8 @@ class EmulatedCudaOp:
 
     Attributes set by tests: ``misalign`` (bytes each buffer's start is moved off its 256-byte aligned
     allocation: keys ``x``, ``given``, ``codes``, ``scales``, ``out``), ``max_blocks`` (grid cap; the
-    kernels' grid-stride loops take the rest). ``last_launch`` describes the last call's launch.
+    kernels' grid-stride loops take the rest), ``num_sms`` (the SM count the GEMV's plan fills: fewer tiles than
+    it asks for split K). ``last_launch`` describes the last call's launch.
     """
 
     def __init__(self, arch: Optional[int], headers: Optional[Dict[str, str]] = None):
@@ -135,6 +138,7 @@ class EmulatedCudaOp:
         self.exe = build(arch, headers)
         self.misalign: Dict[str, int] = {}
         self.max_blocks = 1 << 20
+        self.num_sms = 132  # the GEMV's plan: the SM count it fills (an H100 / H200 SXM)
         self.last_launch: Optional[LaunchInfo] = None
         self.last_fp8_conversions = 0  # values the last call put through the emulated sm_89+ fp8 conversion
         self.calls = 0
@@ -185,20 +189,20 @@ class EmulatedCudaOp:
             raise self._fault(what) from None
         if any(len(o) != n for o, n in zip(outs, out_sizes)):
             raise self._fault(what)
-        magic, launched, grid_x, block_x, team_log2, total, threads, _, conversions = _RESPONSE.unpack(raw)
+        magic, launched, grid_x, block_x, team_log2, total, threads, _, conversions, grid_y, shared = _RESPONSE.unpack(raw)
         assert magic == _MAGIC
         self.calls += 1
-        self.last_launch = LaunchInfo(grid_x, block_x, team_log2, total, threads) if launched else None
+        self.last_launch = LaunchInfo(grid_x, block_x, team_log2, total, threads, grid_y, shared) if launched else None
         self.last_fp8_conversions = conversions
         return outs
 
     def _request(self, op, f, dtype, rows, k, group_size, scale_mode=0, stochastic=False, has_given=False,
                  seed=0, offset=0, misalign=(), m=0, block_rows=1, scale_cols=0, scale_kind=0, has_bias=False,
-                 tensor_scale=1.0) -> bytes:
+                 tensor_scale=1.0, num_sms=0) -> bytes:
         misalign = (*misalign, *(0,) * (6 - len(misalign)))
         return _REQUEST.pack(_MAGIC, op, f.ebits, f.mbits, _DTYPES[dtype], scale_mode, int(stochastic),
                              int(has_given), 0, rows, k, group_size, self.max_blocks, seed, offset, *misalign,
-                             m, block_rows, scale_cols, scale_kind, int(has_bias), tensor_scale, 0)
+                             m, block_rows, scale_cols, scale_kind, int(has_bias), tensor_scale, num_sms)
 
     # ---- the op interface ----
     def quantize(self, x, fmt, group_size, given_scales, stochastic, seed, offset, e8m0):
@@ -232,7 +236,7 @@ class EmulatedCudaOp:
 
 
     def linear(self, x, codes, scales, scale_kind, block_rows, tensor_scale, bias, fmt, group_size):
-        """The CUDA binding's linear for m <= 8 rows (the GEMV kernel): x (m, k) fp32/fp16/bf16, codes
+        """The CUDA binding's linear for m <= 16 rows (the tensor-core GEMV): x (m, k) fp32/fp16/bf16, codes
         (n, row_bytes), scales ``(ceil(n / block_rows), ceil(k / G))`` of ``scale_kind`` ("fp32", "e8m0",
         "e4m3" with ``tensor_scale``), optional bias (n,) -> y (m, n) of x's dtype."""
         f = get_format(fmt)
@@ -245,7 +249,7 @@ class EmulatedCudaOp:
                                misalign=(mis.get("x", 0), mis.get("codes", 0), mis.get("scales", 0),
                                          mis.get("bias", 0), mis.get("y", 0)),
                                m=m, block_rows=block_rows, scale_cols=scales.shape[1], scale_kind=kind,
-                               tensor_scale=tensor_scale)
+                               tensor_scale=tensor_scale, num_sms=self.num_sms)
         inputs = [_raw(x), _raw(codes), _raw(scales)] + ([_raw(bias.to(x.dtype))] if bias is not None else [])
         size = m * n * x.element_size()
         (y,) = self._call(header, inputs, [size], f"linear {fmt} G={group_size} m={m}")

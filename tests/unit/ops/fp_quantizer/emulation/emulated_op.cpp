@@ -50,7 +50,7 @@ struct Request {
     int32_t scale_kind;  // fpq::LinearScale
     int32_t has_bias;
     float tensor_scale;
-    int32_t pad2;
+    int32_t num_sms;  // linear: the SM count the GEMV's plan fills
 };
 
 struct Response {
@@ -59,6 +59,7 @@ struct Response {
     int64_t grid_x, block_x, team_log2, total_groups;
     uint64_t threads, switches;
     uint64_t fp8_conversions;  // values through the emulated sm_89+ fp8 conversion, both runs
+    int64_t grid_y, shared_bytes;  // linear: the splits of K and the dynamic shared memory per block
 };
 
 // One buffer: a heap allocation of misalign + size bytes, the first misalign bytes poisoned.
@@ -161,7 +162,7 @@ void serve(const Request& req)
     if (rows < 0 || k < 0 || g < 1) { fpq_emu::fail("bad geometry rows=%lld k=%lld G=%lld", (long long)rows, (long long)k, (long long)g); }
     const size_t n_scales = size_t(rows * (k == 0 ? 0 : fpq::ceil_div(k, g)));
     const size_t code_bytes = size_t(rows * fpq::row_bytes(k, g, bits));
-    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0, 0};
+    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     fpq_emu::fp8_conversions() = 0;
     alarm(kTimeoutSeconds);
 
@@ -238,10 +239,27 @@ void serve(const Request& req)
             a.w.weight_dtype = dtype, a.w.m = m, a.w.n = n, a.w.k = k, a.w.group_size = g;
             a.w.row_bytes = fpq::row_bytes(k, g, bits);
             a.x = x.data, a.bias = req.has_bias ? bias.data : nullptr, a.y = outs[pass]->data;
-            fpq::cuda_kernels::launch_gemv(fmt, a, [&](auto kernel, dim3 grid, dim3 block, int shared_bytes) {
-                const auto stats = fpq_emu::launch(grid, block, [&] { kernel(a); }, pass == 1, size_t(shared_bytes));
+            // the launcher's scratch (split-K partial sums, counters): each its own allocation, fresh per run;
+            // partial sums pre-filled with 0xFF (NaN) so that a read of a partial no block wrote shows
+            std::vector<std::unique_ptr<Buffer>> scratch;
+            auto alloc = [&](int64_t bytes, bool zeroed) -> void* {
+                scratch.push_back(std::make_unique<Buffer>(size_t(bytes), 0));
+                std::memset(scratch.back()->data, zeroed ? 0x00 : 0xff, size_t(bytes));
+                return scratch.back()->data;
+            };
+            fpq::cuda_kernels::launch_gemv(fmt, a, req.num_sms, alloc,
+                                           [&](auto kernel, dim3 grid, dim3 block, int shared_bytes,
+                                               const fpq::GemvArgs& args, const fpq::cuda_kernels::GemvPlan& plan) {
+                const auto stats = fpq_emu::launch(grid, block, [&] { kernel(args, plan); }, pass == 1,
+                                                   size_t(shared_bytes));
                 resp.launched = 1, resp.grid_x = grid.x, resp.block_x = block.x, resp.threads = stats.threads;
+                resp.grid_y = grid.y, resp.shared_bytes = shared_bytes;
                 resp.switches += stats.switches;
+                if (args.counters) {
+                    for (unsigned t = 0; t < grid.x; ++t) {
+                        if (args.counters[t] != 0) { fpq_emu::fail("split-K counter of tile %u left at %d", t, args.counters[t]); }
+                    }
+                }
             });
         }
         compare_runs(*outs[0], *outs[1], "y");
