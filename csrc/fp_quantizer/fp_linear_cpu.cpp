@@ -88,13 +88,21 @@ std::vector<std::string> linear_cpu_paths()
 #if defined(FPQ_DIRECT_BF16)
     paths.emplace_back("direct_bf16");
 #endif
+#if defined(FPQ_AVX2_FMA)
+    paths.emplace_back("avx2_fma");
+#endif
     return paths;
 }
 
 void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16)
 {
 #if defined(FPQ_DIRECT_BF16)
-    if (cpu_kernels::linear_small_m(fmt, args, x_bf16)) { return; }
+    if (args.m <= kAvx512MaxM && cpu_kernels::linear_small_m(fmt, args, x_bf16)) { return; }
+#endif
+#if defined(FPQ_AVX2_FMA)
+    if (args.m <= cpu_kernels::kGemvMaxM && cpu_kernels::linear_gemv_avx2(fmt, args, x_bf16)) { return; }
+    cpu_kernels::linear_gemm_avx2(fmt, args, x_bf16);
+    return;
 #endif
     dispatch_format(fmt, [&](auto f) {
         if (x_bf16) {

@@ -71,14 +71,19 @@ struct LinearArgs {
 
 // The fp32 scale at `index` of LinearArgs::scales (SPEC 3.1; 3.2: 2^(b - 127), byte 255 is NaN; 3.4 NVFP4:
 // fl(decode_e4m3(c) * t), the NaN code gives NaN).
-FPQ_HD float linear_scale_of(const LinearArgs& a, int64_t index)
+// The fp32 scale a scale byte stands for (LinearScale::kE8m0 or kE4m3).
+FPQ_HD float linear_scale_of_byte(const LinearArgs& a, uint32_t byte)
 {
-    if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
-    const uint32_t byte = static_cast<const uint8_t*>(a.scales)[index];
     if (a.scale_kind == LinearScale::kE8m0) {
         return byte == kE8m0Nan ? bits_f32(kF32QuietNan) : pow2f(int(byte) - kE8m0Bias);
     }
     return mul_rn(decode<E4M3>(byte), a.tensor_scale);
+}
+
+FPQ_HD float linear_scale_of(const LinearArgs& a, int64_t index)
+{
+    if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
+    return linear_scale_of_byte(a, static_cast<const uint8_t*>(a.scales)[index]);
 }
 
 // The scale of group g of weight row n; 2-D blocks have one scale row per block_rows rows.
