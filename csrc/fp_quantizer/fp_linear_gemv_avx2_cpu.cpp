@@ -220,12 +220,25 @@ void gemv_m(const LinearArgs& a, const D& dec, bool x_bf16, int64_t in_stride, f
     }
 }
 
+// 8-bit codes in groups of a multiple of 16; e2m1 in groups of 16 or a multiple of 32 (rows of whole units)
+template <class F>
+bool gemv_applies(const LinearArgs& a)
+{
+    if (a.m < 1 || a.m > kGemvMaxM) { return false; }
+    if constexpr (F::kBits == 8) {
+        return a.group_size % 16 == 0;
+    } else if constexpr (F::kBits == 4) {
+        return (a.group_size == 16 || a.group_size % 32 == 0) && Table4<F>().exact;
+    }
+    return false;
+}
+
 template <class F>
 bool try_gemv(const LinearArgs& a, bool x_bf16)
 {
+    if (!gemv_applies<F>(a)) { return false; }
     const int64_t in_stride = ceil_div(a.k, kLinearPad) * kLinearPad;
     if constexpr (F::kBits == 8) {
-        if (a.group_size % 16 != 0) { return false; }
         const Placed8<F> dec;
         if (x_placed_ok(finite_amax(a, x_bf16, in_stride), Placed8<F>::kXExponent)) {
             gemv_m<Placed8<F>, false>(a, dec, x_bf16, in_stride, pow2f(Placed8<F>::kXExponent));
@@ -234,9 +247,7 @@ bool try_gemv(const LinearArgs& a, bool x_bf16)
         }
         return true;
     } else if constexpr (F::kBits == 4) {
-        if (a.group_size != 16 && a.group_size % 32 != 0) { return false; }
         const Table4<F> dec;
-        if (!dec.exact) { return false; }
         gemv_m<Table4<F>, false>(a, dec, x_bf16, in_stride, 1.0f);
         return true;
     }
@@ -245,9 +256,13 @@ bool try_gemv(const LinearArgs& a, bool x_bf16)
 
 }  // namespace
 
+bool linear_gemv_avx2_applies(Format fmt, const LinearArgs& args)
+{
+    return dispatch_format(fmt, [&](auto f) { return gemv_applies<decltype(f)>(args); });
+}
+
 bool linear_gemv_avx2(Format fmt, const LinearArgs& args, bool x_bf16)
 {
-    if (args.m < 1 || args.m > kGemvMaxM) { return false; }
     return dispatch_format(fmt, [&](auto f) { return try_gemv<decltype(f)>(args, x_bf16); });
 }
 

@@ -52,6 +52,7 @@ constexpr int64_t kLanes = 16;           // fp32 lanes of one AVX-512 vector; ch
 // false, having done nothing, where it does not apply (not a 4-, 6- or 8-bit format, groups not a multiple
 // of 16 codes).
 bool linear_small_m(Format fmt, const LinearArgs& args, bool x_bf16);
+bool linear_small_m_applies(Format fmt, const LinearArgs& args);  // whether linear_small_m runs these arguments
 // rows of x up to which linear_cpu runs the register-blocked kernel (the crossover measured in earlier sessions on
 // AVX-512 BF16 machines); more rows take the AVX2 GEMM
 constexpr int64_t kAvx512MaxM = 32;
@@ -64,6 +65,7 @@ constexpr int64_t kAvx512MaxM = 32;
 // and the GEMM (decoded panels of 16 weight rows, N in the lanes; every format and layout, any m).
 constexpr int64_t kGemvMaxM = 4;
 bool linear_gemv_avx2(Format fmt, const LinearArgs& args, bool x_bf16);
+bool linear_gemv_avx2_applies(Format fmt, const LinearArgs& args);  // whether linear_gemv_avx2 runs these arguments
 void linear_gemm_avx2(Format fmt, const LinearArgs& args, bool x_bf16);
 #endif
 

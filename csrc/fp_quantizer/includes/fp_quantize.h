@@ -135,8 +135,14 @@ void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1,
 // The fused linear (SPEC 8; fp_linear_cpu.cpp, its register-blocked kernel fp_linear_small_m_cpu.cpp):
 // y (m, n) fp32 = sum_g s_g * (sum_{j in g} x_j * decode(q_j)), no bias; x bf16 when x_bf16, else fp32.
 void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
-// The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
-// bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
+// Which CPU kernel linear_cpu runs for these arguments (m, format, grouping) in this build (fp_linear_cpu.cpp), and
+// its name for the binding: "avx512_register", "avx2_gemv", "avx2_gemm", "portable".
+enum class CpuLinearKernel : int { kAvx512Register = 0, kAvx2Gemv = 1, kAvx2Gemm = 2, kPortable = 3 };
+CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args);
+const char* linear_cpu_kernel_name(CpuLinearKernel kernel);
+// The vector paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL), bf16_dot
+// (+ BF16), direct_bf16 (+ VBMI), avx2_fma (AVX2 + FMA: the AVX2 GEMV and GEMM); a DS_FPQUANT_CPU_ARCH=x86-64-v3
+// build has avx2_fma only, a non-x86 build none.
 std::vector<std::string> linear_cpu_paths();
 // y = x @ W^T + bias for few rows of x on the GPU (the GEMV of fp_gemv_kernels.cuh), SPEC 8.1's formula: exact
 // codes, group partial sums times the group scale, fp32, bias added in fp32, one rounding to x's dtype. `w` holds
