@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator, model_validator
 
+from ds_fpquant.numerics import checks
 from ds_fpquant.numerics.choices import (
     ACTIVATIONS,
     ALL_SCALE_FORMATS,
@@ -79,12 +80,7 @@ def _check_block(value):
 
 
 def _check_patterns(patterns):
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"module pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    return patterns
+    return checks.check_regexes("module pattern", patterns)
 
 
 class ModuleOverride(DeepSpeedConfigModel):

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp_peak_cpu.h"
 #include "fp_quantize.h"
 
 #if defined(FPQ_WITH_CUDA)
@@ -343,6 +344,31 @@ py::dict format_table()
     return table;
 }
 
+// The peak loops of fp_peak_cpu.cpp: one dict per loop (name, instruction, flops_per_instruction, accumulators,
+// unavailable: "" where it runs here, else why not).
+py::list dot_peak_kinds()
+{
+    py::list kinds;
+    for (const auto& kind : fpq::peak_kinds()) {
+        py::dict d;
+        d["name"] = kind.name;
+        d["instruction"] = kind.instruction;
+        d["flops_per_instruction"] = kind.flops_per_instruction;
+        d["accumulators"] = kind.accumulators;
+        d["unavailable"] = kind.unavailable;
+        kinds.append(d);
+    }
+    return kinds;
+}
+
+double dot_peak_gflops(const std::string& kind, int64_t threads, double min_seconds, int64_t trials)
+{
+    TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "threads=", threads, ": must be in 1 .. 4096");
+    TORCH_CHECK_VALUE(trials >= 1 && trials <= 100, "trials=", trials, ": must be in 1 .. 100");
+    py::gil_scoped_release no_gil;  // a second of register-only loops; nothing of Python's is touched
+    return fpq::peak_gflops(kind, int(threads), min_seconds, int(trials));  // std::invalid_argument: ValueError
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -366,6 +392,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("cpu_paths", &fpq::linear_cpu_paths,
           "the vector paths compiled into the CPU kernels (fast_decode, bf16_dot, direct_bf16, avx2_fma); [] when "
           "portable");
+    m.def("dot_peak_kinds", &dot_peak_kinds,
+          "the peak dot-product loops of this build (name, instruction, flops_per_instruction, accumulators, "
+          "unavailable: '' where this CPU and OS run it, else why not)");
+    m.def("dot_peak_gflops", &dot_peak_gflops,
+          "GFLOP/s (a multiply-add counted as 2) of `threads` OpenMP threads running the register-only loop of "
+          "`kind`: the best of `trials` runs of at least `min_seconds` each", py::arg("kind"), py::arg("threads"),
+          py::arg("min_seconds") = 0.2, py::arg("trials") = 3);
     m.def("philox4x32_10", &philox, "Philox4x32-10 of one counter (c0..c3) and key (k0, k1)");
 #if defined(FPQ_WITH_CUDA)
     m.attr("WITH_CUDA") = true;

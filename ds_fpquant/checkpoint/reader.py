@@ -1,4 +1,4 @@
-"""``ds_fpquant.load_quantized``: a quantized checkpoint (either layout of :mod:`ds_fpquant.checkpoint.disk_format`) back into
+"""``ds_fpquant.load_quantized``: a quantized checkpoint (any layout of :mod:`ds_fpquant.checkpoint.layouts`) back into
 its transformers model, linears as :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` and mixture-of-experts
 parameters as quantized expert stacks, holding the codes and scales as stored: the module tree is built on
 the meta device and every tensor is assigned from the file, so no full-precision copy of a quantized weight
@@ -12,9 +12,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint import layout_gpt_oss, layouts
+from ds_fpquant.checkpoint import layouts
 from ds_fpquant.checkpoint.hf_files import iter_tensors, meta_model, model_dir, read_config, shard_files, tensor_headers
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_expert_slots, check_patterns
+from ds_fpquant.checkpoint.layouts.gpt_oss import read as gpt_oss_read
 from ds_fpquant.checkpoint.save_hook import enable_save_pretrained
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape, install_quantized_experts
 from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
@@ -88,8 +89,8 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     hf_config = read_config(path)
     if fp_quantization is not None:
         return _quantize_while_loading(path, hf_config, fp_quantization, model_class)
-    if layout_gpt_oss.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):  # its own module
-        model, state, keys = layout_gpt_oss.read(path, hf_config, model_class, backend, compute_dtype)
+    if gpt_oss_read.is_gpt_oss_qconfig(getattr(hf_config, "quantization_config", None)):  # its own module
+        model, state, keys = gpt_oss_read.read(path, hf_config, model_class, backend, compute_dtype)
         _assign_rest(model, state, keys)
         enable_save_pretrained(model)
         return model.eval()

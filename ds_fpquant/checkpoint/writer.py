@@ -1,6 +1,6 @@
 """Writing quantized Hugging Face checkpoints: ``ds-fpquant quantize SRC DST``
 (:func:`quantize_checkpoint`, from a full-precision checkpoint) and :func:`save_quantized` (from a quantized
-model, also behind its ``save_pretrained``). The layouts are :mod:`ds_fpquant.checkpoint.disk_format`; the files
+model, also behind its ``save_pretrained``). The layouts are :mod:`ds_fpquant.checkpoint.layouts` (a ``read`` and a ``write`` module each); the files
 :mod:`ds_fpquant.checkpoint.hf_files`; :func:`ds_fpquant.load_quantized` (:mod:`ds_fpquant.checkpoint.reader`) reads both.
 
 Source tensors are read one at a time through ``safetensors.safe_open`` and output shards are bounded by
@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint import layout_gpt_oss
-from ds_fpquant.checkpoint.disk_format import (
-    FP8_METHOD,
-    OWN_METHOD,
-    quantization_config,
-    to_parts,
-    whole_blocks,
-)
 from ds_fpquant.checkpoint.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
@@ -42,7 +33,11 @@ from ds_fpquant.checkpoint.hf_files import (
     write_model_config,
 )
 from ds_fpquant.checkpoint.keys import CheckpointKeys, check_patterns
-from ds_fpquant.checkpoint.layouts import ct_write, modelopt_write
+from ds_fpquant.checkpoint.layouts.compressed_tensors import write as ct_write
+from ds_fpquant.checkpoint.layouts.gpt_oss import write as gpt_oss_write
+from ds_fpquant.checkpoint.layouts.modelopt import write as modelopt_write
+from ds_fpquant.checkpoint.layouts.native.read import FP8_METHOD, OWN_METHOD
+from ds_fpquant.checkpoint.layouts.native.write import quantization_config, to_parts, whole_blocks
 from ds_fpquant.nn.experts import expert_matrix, expert_matrix_shape
 from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_groups
 from ds_fpquant.nn.quantized_params import input_scale_of, is_weight_quantized, quantized_experts
@@ -180,11 +175,7 @@ def _settings(fmt: str, block, group_size, scale_format: Optional[str], exclude:
     group_size, block = resolve_granularity(fmt, granularity, group_size, block)  # tensor / channel: SPEC 2
     if isinstance(exclude, (str, bytes)) or not all(isinstance(p, str) for p in exclude):
         raise TypeError(f"exclude must be a list of regular expressions (str), got {exclude!r}")
-    for pattern in exclude:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"exclude pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    checks.check_regexes("exclude pattern", exclude)
     fp8 = fmt in FP8_DTYPES and scale_format in (None, "fp32")
     if block is None and fmt in FORMATS:
         # the FP8 layout stores row groups as [1, G] blocks; other formats keep row grouping
@@ -295,11 +286,11 @@ def quantize_checkpoint(src, dst, fmt: str = "e4m3", *, block: Optional[Tuple[in
     keys.check_fits(headers)  # every parameter of the model there, in its shape: else nothing is written
     check_patterns(exclude, [*linears, *keys.params], "exclude patterns")
     selected = keys.plan(headers, linears, config.settings_for)
-    if layout_gpt_oss.writes_gpt_oss(hf_config, meta, fmt, block, group_size, scale_format):  # its own layout
+    if gpt_oss_write.writes_gpt_oss(hf_config, meta, fmt, block, group_size, scale_format):  # its own layout
         if layout is not None:
             raise ValueError(f"gpt-oss's mxfp4 experts are written in gpt-oss's own layout; layout={layout!r} "
                              f"cannot be chosen for them (give layout=None)")
-        return layout_gpt_oss.quantize_checkpoint(src, dst, selected.stacks, headers, keys, meta, backend,
+        return gpt_oss_write.quantize_checkpoint(src, dst, selected.stacks, headers, keys, meta, backend,
                                                   max_shard_bytes, progress)
     plan, expert_plan, fused_plan = selected.linears, selected.experts, selected.stacks
     writing.check_conv1d([name for name in plan.values() if linears[name]])
@@ -533,8 +524,8 @@ def save_quantized(model: torch.nn.Module, directory, *, max_shard_bytes: int = 
     layers, stacks = _quantized_parts(model)
     if not layers and not stacks:
         raise ValueError(f"{type(model).__name__} holds no ds_fpquant-quantized layers; save it with save_pretrained")
-    if layout is None and layout_gpt_oss.can_save(model, layers, stacks):  # gpt-oss, mxfp4 experts: its own layout
-        return layout_gpt_oss.save_quantized(model, directory, max_shard_bytes=max_shard_bytes)
+    if layout is None and gpt_oss_write.can_save(model, layers, stacks):  # gpt-oss, mxfp4 experts: its own layout
+        return gpt_oss_write.save_quantized(model, directory, max_shard_bytes=max_shard_bytes)
     qts = {**{name: qt for name, (qt, _) in layers.items()}, **{name: qts[0] for name, qts in stacks.items()}}
     settings = {name: (qt.fmt, qt.group_size, qt.block, qt.scale_format, qt.grouping) for name, qt in qts.items()}
     first = next(iter(settings.values()))

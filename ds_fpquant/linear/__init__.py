@@ -2,5 +2,6 @@
 ``torch.library`` custom ops, and the tensor subclasses that stand in for a quantized weight."""
 
 from ds_fpquant.linear.functional import linear
+from ds_fpquant.linear.weights import QuantizedFallbackWarning
 
-__all__ = ["linear"]
+__all__ = ["linear", "QuantizedFallbackWarning"]

@@ -7,6 +7,7 @@ given and what is allowed.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Iterable
 
 import numpy as np
@@ -26,6 +27,17 @@ def check_choice(name: str, value, allowed) -> None:
         raise TypeError(f"{name} must be a str, got {type(value).__name__} ({value!r}); allowed: {_names(allowed)}")
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {_names(allowed)}")
+
+
+def check_regexes(label: str, patterns) -> list:
+    """Each of ``patterns`` (strings) must compile as a regular expression; ``ValueError`` names the first that does
+    not (``f"{label} {pattern!r} is not a valid regular expression: ..."``). Returns ``patterns``."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{label} {pattern!r} is not a valid regular expression: {exc}") from None
+    return patterns
 
 
 def check_int(name: str, value, minimum: int) -> int:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ds_fpquant.checkpoint.hf_files import CONFIG
+from ds_fpquant.numerics.scales import SCALE_FLOOR
 
 __all__ = ["Reading", "StaticActivationScalesWarning", "UnsharedInputScalesWarning", "register", "input_scale_value", "register_config_finder", "reading_for",
            "find_qconfig", "ignore_matches"]
@@ -166,3 +168,32 @@ def input_scale_value(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not (torch.isfinite(value) and value > 0):
         raise ValueError(f"{name}.input_scale={value.item()!r} must be finite and > 0 (it divides the activations)")
     return value
+
+
+def checked(name: str, qt, scale_values: bool = True):
+    """``qt`` validated (``qt.validate()``) and, with ``scale_values``, its scale values checked
+    (:func:`check_scale_values`); ``ValueError`` / ``TypeError`` naming ``name``. Every reader's last step."""
+    try:
+        qt.validate()
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+    if scale_values:
+        check_scale_values(name, qt)
+    return qt
+
+
+def check_scale_values(name: str, qt) -> None:
+    """Stored scales must be what SPEC 3 can produce: fp32 scales positive (NaN marks a faulty group),
+    NVFP4 scale codes non-negative and a finite tensor scale >= 2^-126; E8M0 bytes are all valid."""
+    if qt.scale_format == "fp32":
+        bad = ~(torch.isnan(qt.scales) | ((qt.scales > 0) & torch.isfinite(qt.scales)))
+        if bool(bad.any()):
+            raise ValueError(f"{name}: scales must be finite and > 0 (or NaN for a faulty group, SPEC 3.3); "
+                             f"found {qt.scales[bad].reshape(-1)[0].item()!r}")
+    if qt.tensor_scale is not None:
+        if bool((qt.scales >= 0x80).any()):
+            raise ValueError(f"{name}.weight_scale: NVFP4 group scale codes are non-negative e4m3 (SPEC 3.4); "
+                             f"found a negative one")
+        t = qt.tensor_scale.item()
+        if not (math.isfinite(t) and t >= SCALE_FLOOR):
+            raise ValueError(f"{name}.weight_scale_2={t!r}: the NVFP4 tensor scale is finite and >= 2^-126 (SPEC 3.4)")

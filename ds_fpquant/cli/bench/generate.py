@@ -18,7 +18,10 @@ Each row runs ``generate`` greedily (``do_sample=False``, ``min_new_tokens = max
 makes the same number of tokens) on the same random prompts, at each batch size, after a 2-token warm-up on the
 first tokens of the prompts: the median wall time of the whole generation, and within the same generations the
 time to the first token (the prompt pass) and of the decode steps after it (a stopping criterion that never
-stops takes the time of each new token), from which the decode rate follows.
+stops takes the time of each new token), from which the decode rate follows. The prefill rate is timed on its
+own after the generations: one forward of the model over the prompts (``batch x prefill_tokens`` tokens, the
+first ``prefill_tokens`` of each prompt; by default the whole prompt), with the KV cache built as ``generate``
+builds it and the logits of the last position only, the median of ``repeat`` forwards.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import inspect
 import re
 import statistics
 import time
@@ -90,6 +94,10 @@ class GenerateResult:
     decode_tokens_per_s: Optional[float]  # batch * (new_tokens - 1) / median seconds from the first to the last token
     vs_bf16: Optional[float] = None  # tokens_per_s / bf16's at the same batch
     decode_vs_bf16: Optional[float] = None
+    prefill_tokens: int = 0  # prompt tokens per sequence of the timed prefill forward
+    prefill_forward_s: Optional[float] = None  # median seconds of one forward over batch x prefill_tokens tokens
+    prefill_tokens_per_s: Optional[float] = None  # batch * prefill_tokens / prefill_forward_s
+    prefill_vs_bf16: Optional[float] = None
 
 
 def llama_config(spec: Dict[str, int]):
@@ -230,18 +238,44 @@ def time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, re
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), decode
 
 
+def time_prefill(model: torch.nn.Module, ids: torch.Tensor, repeat: int, label: str) -> float:
+    """Median seconds of ``repeat`` forwards of ``model`` over ``ids`` (``(batch, tokens)``) as ``generate``'s prompt
+    pass runs it: the KV cache built, the logits of the last position only (``logits_to_keep=1`` where the model
+    takes it).
+
+    Raises:
+        RuntimeError: the logits are not ``(batch, 1, vocab)`` (or ``(batch, tokens, vocab)``).
+    """
+    kwargs = {"use_cache": True}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    times = []
+    with torch.no_grad():
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+            times.append(time.perf_counter() - t0)
+            if out.logits.shape[0] != ids.shape[0] or out.logits.shape[1] not in (1, ids.shape[1]):
+                raise RuntimeError(f"bench --generate: {label}: the prefill forward of {tuple(ids.shape)} gave logits "
+                                   f"of {tuple(out.logits.shape)}")
+            out = None
+    return statistics.median(times)
+
+
 def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[int] = DEFAULT_BATCHES,
         prompt_tokens: int = DEFAULT_PROMPT, new_tokens: int = DEFAULT_NEW, repeat: int = DEFAULT_REPEAT,
-        progress: bool = True) -> Tuple[List[GenerateResult], Dict[str, str], dict]:
+        progress: bool = True, prefill_tokens: Optional[int] = None) -> Tuple[List[GenerateResult], Dict[str, str], dict]:
     """Returns ``(results, skipped, model_info)``: the rows, batch after batch; ``{row: why}`` for the rows that
-    could not run; the model's size.
+    could not run; the model's size. ``prefill_tokens``: prompt tokens per sequence of the timed prefill forward
+    (default ``prompt_tokens``).
 
     Raises:
         RuntimeError: a row's copy of the model differs from the build, or a generation is not
             ``prompt_tokens + new_tokens`` long.
     """
+    prefill_tokens = prompt_tokens if prefill_tokens is None else prefill_tokens
     gen = torch.Generator().manual_seed(SEED + 1)
-    prompts = torch.randint(3, spec["vocab_size"], (max(batches), prompt_tokens), generator=gen)
+    prompts = torch.randint(3, spec["vocab_size"], (max(batches), max(prompt_tokens, prefill_tokens)), generator=gen)
     skipped: Dict[str, str] = {}
     results: List[GenerateResult] = []
     for row in rows:
@@ -272,13 +306,18 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
         if progress:
             print(f"bench --generate: {label}: converted in {convert_s:.1f} s, {model_mib:.0f} MiB", flush=True)
         for b in batches:
-            generate_s, prefill_s, decode_s = time_generate(model, prompts[:b], new_tokens, repeat, label)
+            generate_s, prefill_s, decode_s = time_generate(model, prompts[:b, :prompt_tokens], new_tokens, repeat,
+                                                            label)
             decode = b * (new_tokens - 1) / decode_s if decode_s else None
+            forward_s = time_prefill(model, prompts[:b, :prefill_tokens], repeat, label)
             results.append(GenerateResult(label, row, b, prompt_tokens, new_tokens, round(model_mib, 2),
                                           round(linear_mib, 2), 0 if row == "bf16" else len(names), convert_s,
-                                          generate_s, prefill_s, b * new_tokens / generate_s, decode))
+                                          generate_s, prefill_s, b * new_tokens / generate_s, decode,
+                                          prefill_tokens=prefill_tokens, prefill_forward_s=forward_s,
+                                          prefill_tokens_per_s=b * prefill_tokens / forward_s))
             if progress:
-                print(f"bench --generate: {label}, batch {b}: {generate_s:.2f} s", flush=True)
+                print(f"bench --generate: {label}, batch {b}: generate {generate_s:.2f} s, prefill forward "
+                      f"{forward_s:.2f} s", flush=True)
         del model
         gc.collect()
     del base
@@ -289,29 +328,37 @@ def run(rows: Sequence[str], spec: Dict[str, int] = LLAMA_1B, batches: Sequence[
             r.vs_bf16 = r.tokens_per_s / base.tokens_per_s
             if r.decode_tokens_per_s and base.decode_tokens_per_s:
                 r.decode_vs_bf16 = r.decode_tokens_per_s / base.decode_tokens_per_s
+            if r.prefill_tokens_per_s and base.prefill_tokens_per_s:
+                r.prefill_vs_bf16 = r.prefill_tokens_per_s / base.prefill_tokens_per_s
     results.sort(key=lambda r: r.batch)  # stable: the rows in their order within each batch
     return results, skipped, info
 
 
 def format_table(results: Sequence[GenerateResult]) -> str:
-    lines = ["| batch | model | model MiB | linear weights MiB | generate s | tokens/s | vs bf16 | prefill s | "
-             "decode tokens/s | vs bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per row and batch: the whole generation, its time to the first token, the prefill forward's rate
+    and the decode rate, each rate with its ratio to bf16 at the same batch."""
+    lines = ["| batch | model | model MiB | linear weights MiB | generate s | tokens/s | vs bf16 | first token s | "
+             "prefill tokens/s | vs bf16 | decode tokens/s | vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:.2f}"
+        prefill = "-" if r.prefill_tokens_per_s is None else f"{r.prefill_tokens_per_s:.1f}"
         lines.append(f"| {r.batch} | {r.row} | {r.model_mib:.1f} | {r.linear_mib:.1f} | {r.generate_s:.3f} | "
-                     f"{r.tokens_per_s:.2f} | {ratio_text(r.vs_bf16)} | {r.prefill_s:.3f} | {decode} | "
-                     f"{ratio_text(r.decode_vs_bf16)} |")
+                     f"{r.tokens_per_s:.2f} | {ratio_text(r.vs_bf16)} | {r.prefill_s:.3f} | {prefill} | "
+                     f"{ratio_text(r.prefill_vs_bf16)} | {decode} | {ratio_text(r.decode_vs_bf16)} |")
     return "\n".join(lines)
 
 
-def describe(spec: Dict[str, int], info: dict, prompt_tokens: int, new_tokens: int) -> str:
+def describe(spec: Dict[str, int], info: dict, prompt_tokens: int, new_tokens: int,
+             prefill_tokens: Optional[int] = None) -> str:
+    prefill_tokens = prompt_tokens if prefill_tokens is None else prefill_tokens
     return (f"Llama (random, bf16): hidden {spec['hidden_size']}, {spec['num_hidden_layers']} layers, intermediate "
             f"{spec['intermediate_size']}, {spec['num_attention_heads']} heads ({spec['num_key_value_heads']} kv), "
             f"vocab {spec['vocab_size']}: {info.get('parameters', 0) / 1e9:.3f} B parameters, "
             f"{info.get('bf16_mib', 0):.0f} MiB in bf16; {info.get('linears_converted', 0)} linears converted "
             f"({info.get('linear_parameters', 0) / 1e9:.3f} B parameters: all but lm_head; embeddings stay bf16); "
-            f"greedy, {prompt_tokens}-token prompts, {new_tokens} new tokens")
+            f"greedy, {prompt_tokens}-token prompts, {new_tokens} new tokens; prefill tokens/s: one forward over "
+            f"batch x {prefill_tokens} prompt tokens, timed apart from the generations")
 
 
 SPEC_OPTIONS = (("hidden_size", "--hidden-size"), ("num_hidden_layers", "--layers"),
@@ -328,13 +375,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="batch sizes (default 1 8)")
     group.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULT_PROMPT})")
     group.add_argument("--new-tokens", type=int, help=f"tokens generated (default {DEFAULT_NEW})")
+    group.add_argument("--prefill-tokens", type=int, help="prompt tokens per sequence of the timed prefill forward "
+                       "(default: --prompt-tokens)")
     for key, flag in SPEC_OPTIONS:
         group.add_argument(flag, type=int, dest=f"llama_{key}",
                            help=f"Llama {key} (default {LLAMA_1B[key]}; --quick {LLAMA_TINY[key]})")
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
-    from ds_fpquant.cli.bench.linear import cpu_cores, cpu_name, llc_bytes, load_average
+    from ds_fpquant.cli.bench.linear import cpu_cores, cpu_name, cpu_steal_seconds, llc_bytes, load_average
     from ds_fpquant.cli.common import report
 
     if args.device != "cpu":
@@ -365,19 +414,23 @@ def main(args, parser: argparse.ArgumentParser) -> int:
     batches = args.batch_sizes or (QUICK_BATCHES if args.quick else DEFAULT_BATCHES)
     prompt = args.prompt_tokens or (QUICK_TOKENS if args.quick else DEFAULT_PROMPT)
     new = args.new_tokens or (QUICK_TOKENS if args.quick else DEFAULT_NEW)
-    for flag, values in (("--batch-sizes", batches), ("--prompt-tokens", [prompt]), ("--new-tokens", [new])):
+    prefill = prompt if args.prefill_tokens is None else args.prefill_tokens
+    for flag, values in (("--batch-sizes", batches), ("--prompt-tokens", [prompt]), ("--new-tokens", [new]),
+                         ("--prefill-tokens", [prefill])):
         if any(v < 1 for v in values):
             parser.error(f"{flag} {list(values)}: each must be >= 1")
     repeat = args.repeat or DEFAULT_REPEAT
     t0 = time.perf_counter()
-    results, skipped, info = run(rows, spec, batches, prompt, new, repeat)
+    steal0 = cpu_steal_seconds()
+    results, skipped, info = run(rows, spec, batches, prompt, new, repeat, prefill_tokens=prefill)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(), "cores": cpu_cores(),
            "llc_mib": llc_bytes() / MIB, **{f"llama_{k}": v for k, v in spec.items()}, **info,
-           "prompt_tokens": prompt, "new_tokens": new, "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1),
+           "prompt_tokens": prompt, "new_tokens": new, "prefill_tokens": prefill, "repeat": repeat, "run_s": round(time.perf_counter() - t0, 1),
+           "steal_s": None if steal0 is None else round(cpu_steal_seconds() - steal0, 1),
            "load_average": load_average()}
     if skipped:
         env["skipped"] = skipped
-    report(env, describe(spec, info, prompt, new) + "\n\n" + format_table(results), results, args.json,
+    report(env, describe(spec, info, prompt, new, prefill) + "\n\n" + format_table(results), results, args.json,
            getattr(args, "results", None), f"ds-fpquant bench --generate, {cpu_name()}, {cpu_cores()} cores",
            getattr(args, "command_line", None))
     return 0

@@ -40,7 +40,8 @@ INT4_INNER_K_TILES = 1
 class PeerWeight:
     """One weight in a peer's layout. ``kind`` is ``"int8pack"`` or ``"int4pack"``; ``packed`` and ``scales`` are
     what the aten op takes (``scales``: the ``(N,)`` scales or the ``(K / G, N, 2)`` scales and zeros);
-    ``dequantized`` the fp64 weight the op computes with (kept only when asked for: it is 8 bytes a weight)."""
+    ``dequantized`` the fp64 weight the op computes with, or its first rows (kept only when asked for: it is 8 bytes
+    a weight)."""
 
     kind: str
     packed: torch.Tensor
@@ -55,21 +56,25 @@ class PeerWeight:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
-def int8pack_weight(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep_dequantized: bool = False) -> PeerWeight:
+def int8pack_weight(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep_dequantized: bool = False,
+                    keep_rows: Optional[int] = None) -> PeerWeight:
     """Symmetric int8 per output channel: ``scale = amax(|w[n]|) / 127``, ``q = clamp(round(w / scale), -128, 127)``;
-    the scales stored in ``dtype`` (``x``'s dtype, as the op takes them)."""
+    the scales stored in ``dtype`` (``x``'s dtype, as the op takes them). ``keep_rows``: with ``keep_dequantized``,
+    keep only the first rows of the fp64 weight (:func:`check_peer` then checks those outputs)."""
     w = w.float()
     scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.clamp(torch.round(w / scales[:, None]), -128, 127).to(torch.int8)
     stored = scales.to(dtype)
-    deq = q.double() * stored.double()[:, None] if keep_dequantized else None
+    rows = slice(0, keep_rows)
+    deq = q[rows].double() * stored[rows].double()[:, None] if keep_dequantized else None
     return PeerWeight("int8pack", q.contiguous(), stored.contiguous(), w.shape, 0, deq)
 
 
 def int4pack_weight(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_size: int = INT4_GROUP,
-                    keep_dequantized: bool = False) -> PeerWeight:
+                    keep_dequantized: bool = False, keep_rows: Optional[int] = None) -> PeerWeight:
     """Asymmetric uint4 in groups of ``group_size`` along K (torchao's Int4WeightOnlyConfig, see the module doc),
-    packed by ``_convert_weight_to_int4pack_for_cpu``; scales and zeros ``(K / G, N, 2)`` in ``dtype``.
+    packed by ``_convert_weight_to_int4pack_for_cpu``; scales and zeros ``(K / G, N, 2)`` in ``dtype``;
+    ``keep_rows`` as for :func:`int8pack_weight`.
 
     Raises:
         ValueError: ``K`` is not a multiple of ``group_size`` or ``N`` not of 16 (what the packing takes).
@@ -87,8 +92,10 @@ def int4pack_weight(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, group_
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
     deq = None
     if keep_dequantized:
-        sz = scales_and_zeros.double().transpose(0, 1)  # (N, K/G, 2)
-        deq = ((q.view(n, k // group_size, group_size).double() - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+        rows = min(n, n if keep_rows is None else keep_rows)
+        sz = scales_and_zeros.double().transpose(0, 1)[:rows]  # (rows, K/G, 2)
+        deq = ((q[:rows].view(rows, k // group_size, group_size).double() - 8) * sz[..., :1] + sz[..., 1:])
+        deq = deq.view(rows, k)
     return PeerWeight("int4pack", packed, scales_and_zeros, w.shape, group_size, deq)
 
 
@@ -105,7 +112,9 @@ def check_peer(x: torch.Tensor, p: PeerWeight, y: Optional[torch.Tensor] = None)
     of the output to ``x``'s dtype, elementwise
     ``u * |x| @ |W|^T * (1 + K * 2^-24 / u) + u * |ref| + 2^-24 * max|ref|`` with ``u`` the unit roundoff of
     ``x``'s dtype. Returns ``max |y - ref| / bound``: at most 1 for a peer that computes what it should (a
-    scales-and-zeros layout mistake gives errors of the order of ``|ref|``, far above it).
+    scales-and-zeros layout mistake gives errors of the order of ``|ref|``, far above it). Where ``p`` kept only the
+    first rows of its weight, the first as many outputs of every row of ``x`` are checked; ``y`` (the peer's output
+    for ``x``, e.g. of a warm-up call) saves computing it again.
 
     Raises:
         ValueError: ``p`` was made without ``keep_dequantized``.
@@ -113,6 +122,7 @@ def check_peer(x: torch.Tensor, p: PeerWeight, y: Optional[torch.Tensor] = None)
     if p.dequantized is None:
         raise ValueError("check_peer needs the peer weight made with keep_dequantized=True")
     y = peer_linear(x, p) if y is None else y
+    y = y[..., :p.dequantized.shape[0]]
     xd = x.double()
     ref = xd @ p.dequantized.T
     u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(x.dtype, 2.0**-24)

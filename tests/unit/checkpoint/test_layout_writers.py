@@ -20,7 +20,8 @@ from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3
 
 import ds_fpquant as fpq
-from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning, ct_write
+from ds_fpquant.checkpoint.layouts import StaticActivationScalesWarning
+from ds_fpquant.checkpoint.layouts.compressed_tensors import write as ct_write
 from ds_fpquant.checkpoint.writer import LAYOUTS, GlobalScaleRoundingWarning
 from ds_fpquant.cli.quantize import quantize_main
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
@@ -494,8 +495,8 @@ def test_conv1d_weights_are_refused_by_the_other_tools_layouts(tmp_path):
 
 
 def test_layout_names_are_the_quant_methods_written():
-    from ds_fpquant.checkpoint.disk_format import FP8_METHOD, OWN_METHOD
-    from ds_fpquant.checkpoint.layouts import modelopt_write
+    from ds_fpquant.checkpoint.layouts.modelopt import write as modelopt_write
+    from ds_fpquant.checkpoint.layouts.native.read import FP8_METHOD, OWN_METHOD
 
     assert LAYOUTS == (FP8_METHOD, ct_write.LAYOUT, modelopt_write.LAYOUT, OWN_METHOD)
     assert ct_write.LAYOUT == "compressed-tensors" and modelopt_write.LAYOUT == "modelopt"

@@ -14,7 +14,7 @@ from unit.safetensors_files import read_tensors
 from unit.tiny_models import tiny_llama
 
 import ds_fpquant as fpq
-from ds_fpquant.checkpoint.layouts import modelopt as layout_modelopt
+from ds_fpquant.checkpoint.layouts.modelopt import read as layout_modelopt
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 from ds_fpquant.nn.quantized_params import quantized_experts
 

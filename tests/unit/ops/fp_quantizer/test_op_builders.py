@@ -7,13 +7,15 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, Optional
 
 import pytest
 import torch
 
 import ds_fpquant as fpq
-from ds_fpquant.numerics.formats import get_format, traits_table
+from ds_fpquant.numerics.formats import traits_table
 from ds_fpquant.op_builder.builder import CSRC, FAST_MATH_FLAGS, cuda_tool
 from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 from ds_fpquant.op_builder.fp_quantizer_cpu import FPQuantizerCPUBuilder
@@ -270,16 +272,47 @@ def test_prebuilt_cpu_op_install(tmp_path):
     assert out.returncode == 0 and str(target) in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-#: Issue 28's instruction budget of the GEMV's steady-state loop on H200, per weight, by code bits: M=1 (one row of
-#: x) and M=8. The issue asks <= 4 at M=1 for 6- and 4-bit codes; the kernel is not there yet (e2m1 5.4, FP6 7.9 at
-#: the last measurement, README), so those two rows hold today's counts as a ceiling against regressions.
-M1_BUDGET = {8: 6.0, 4: 5.5, 6: 8.0, 12: 8.5}
-M8_BUDGET = 24.0
+@dataclass(frozen=True)
+class WholeKernelBudget:
+    """Whole-kernel budgets of the CUDA GEMV (issue 37): executed lane instructions per weight (warp instructions x 32 /
+    (N x K), scripts/sass_budget.py), bf16 x, 4096x4096, G=128 fp32 scales unless said; None: not held."""
+    m1: Dict[str, float]  # by format
+    m8: Dict[str, float]
+    m16: Optional[float]  # every format
+    e8m0_g32_within: float  # G=32 E8M0 scales: at most this much above the G=128 figure, same format and M
+    nvfp4_g16_within: float  # G=16 NVFP4 (e2m1, e4m3 scales)
+    inflight_min: float  # weight bytes in flight per SM at M=1 and M=8, at least
+
+
+#: Issue 37's targets, for the tensor-core GEMV (mma.sync, a cp.async ring): M=1 <= 5 for the 8-bit formats, <= 4 for
+#: FP4 / FP6, <= 6 for e4m7; M=8 <= 6 and M=16 <= 8 for every format; the block-scale layouts within 1 of G=128;
+#: no spills; >= 32 KiB in flight per SM.
+ISSUE37_TARGETS = WholeKernelBudget(
+    m1={"e4m3": 5, "e5m2": 5, "e2m1": 4, "e3m2": 4, "e2m3": 4, "e4m7": 6},
+    m8={f: 6 for f in ("e4m3", "e5m2", "e2m1", "e3m2", "e2m3", "e4m7")}, m16=8, e8m0_g32_within=1,
+    nvfp4_g16_within=1, inflight_min=32 << 10)
+
+#: What today's GEMV (gemv_kernel<F, T, kRows, kFull>, one warp per row, staging loops per tile) measures, rounded up
+#: to 0.1 (benchmarks/results/sass_budget/before_issue37.md): the ceilings enforced until the tensor-core kernel lands,
+#: against regressions. It has no M=16 kernel; NVFP4's G=16 takes its masked instantiation (half of each 32-code chunk
+#: is zeros), 22-48 instructions per weight above G=128; 9 KiB in flight per SM for FP6 at M=8.
+TODAY_CEILINGS = WholeKernelBudget(
+    m1={"e4m3": 20.7, "e5m2": 20.4, "e2m1": 20.8, "e3m2": 24.3, "e2m3": 24.4, "e4m7": 24.7},
+    m8={"e4m3": 41.5, "e5m2": 41.3, "e2m1": 40.8, "e3m2": 45.1, "e2m3": 45.3, "e4m7": 46.0}, m16=None,
+    e8m0_g32_within=0.7, nvfp4_g16_within=47.9, inflight_min=9 << 10)
+
+#: The budget each GEMV kernel family (scripts/sass_budget.py's KernelModel.family) is held to: today's kernel its
+#: measured ceilings; the tensor-core kernel, when it lands, issue 37's targets (the lead sets its entry at merge). A
+#: family in the SASS without an entry fails the test.
+ENFORCED_BUDGETS = {"gemv_kernel<F, T, kRows, kFull>": TODAY_CEILINGS}
 
 
 def test_gemv_sass_instruction_budget(tmp_path):
-    """scripts/sass_budget.py on the CUDA op's kernels built for sm_90 with the builder's flags: every GEMV that takes
-    whole groups (the `true` variant) is inside the budget per weight at M=1 and M=8, and no GEMV spills."""
+    """scripts/sass_budget.py on the CUDA op's kernels built for sm_90 with the builder's flags: per GEMV family, one
+    row per launch the script states (every format, x dtype, M <= the family's largest, 4096x4096 and 11008x4096, G=128
+    fp32 / G=32 E8M0 / G=16 NVFP4); the whole-kernel count at bf16 x, 4096x4096 inside the family's entry of
+    ENFORCED_BUDGETS (today's GEMV: its measured ceilings, TODAY_CEILINGS, until the tensor-core kernel lands;
+    issue 37's targets are ISSUE37_TARGETS); no GEMV spills."""
     python = _cuda_python()
     _nvcc()
     out = tmp_path / "budget.json"
@@ -290,14 +323,37 @@ def test_gemv_sass_instruction_budget(tmp_path):
     import json
 
     rows = json.loads(out.read_text())
-    bits = {name: get_format(name).bits for name in fpq.FORMATS}
-    assert {(r["fmt"], r["dtype"], r["rows"], r["variant"]) for r in rows} == {
-        (f, d, m, v) for f in fpq.FORMATS for d in ("fp32", "fp16", "bf16") for m in (1, 2, 4, 8)
-        for v in ("true", "false")}
-    over = [r for r in rows if r["variant"] == "true" and r["instructions_per_weight"] > (
-        M1_BUDGET[bits[r["fmt"]]] if r["rows"] == 1 else M8_BUDGET if r["rows"] == 8 else float("inf"))]
-    assert not over, "\n".join(f"{r['fmt']} {r['dtype']} M={r['rows']}: {r['instructions_per_weight']} instructions "
-                                f"per weight ({r['loop_instructions']} for {r['weights_per_iteration']} weights)"
-                                for r in over)
-    assert all(r["weights_per_iteration"] == (32 if bits[r["fmt"]] == 4 else 16) for r in rows), rows
-    assert all(r["spill_bytes"] == 0 and r["stack"] == 0 for r in rows), [r for r in rows if r["spill_bytes"]]
+    families = {r["family"] for r in rows}
+    assert families and families <= set(ENFORCED_BUDGETS), f"no budget for {families - set(ENFORCED_BUDGETS)}"
+    over = []
+    for family in sorted(families):
+        mine = [r for r in rows if r["family"] == family]
+        budget = ENFORCED_BUDGETS[family]
+        max_m = max(r["m"] for r in mine)
+        assert max_m >= 8 and (budget.m16 is None or max_m >= 16), (family, max_m)
+        ms = [m for m in (1, 2, 4, 8, 16) if m <= max_m]
+        stated = {(f, x, m, shape, g, s) for f in fpq.FORMATS for x in ("bf16", "fp16", "fp32") for m in ms
+                  for shape in ("4096x4096", "11008x4096") for g, s in ((128, "fp32"), (32, "e8m0"), (16, "e4m3"))
+                  if s != "e4m3" or f == "e2m1"}
+        got = [(r["fmt"], r["x_dtype"], r["m"], r["shape"], r["group_size"], r["scale_format"]) for r in mine]
+        assert sorted(got) == sorted(stated), family
+        at = {key[:3] + key[4:]: r for key, r in zip(got, mine) if key[3] == "4096x4096"}
+        for f in fpq.FORMATS:
+            for m, limit in ((1, budget.m1[f]), (8, budget.m8[f]), (16, budget.m16)):
+                if limit is None or m > max_m:
+                    continue
+                base = at[(f, "bf16", m, 128, "fp32")]
+                checks = [("G=128", base["whole_per_weight"], limit),
+                          ("G=32 E8M0", at[(f, "bf16", m, 32, "e8m0")]["whole_per_weight"],
+                           base["whole_per_weight"] + budget.e8m0_g32_within)]
+                if f == "e2m1":
+                    checks.append(("G=16 NVFP4", at[(f, "bf16", m, 16, "e4m3")]["whole_per_weight"],
+                                   base["whole_per_weight"] + budget.nvfp4_g16_within))
+                over += [f"{family} {f} M={m} {what}: {value:.2f} > {bound:.2f}" for what, value, bound in checks
+                         if value > bound]
+                if m in (1, 8) and base["inflight_bytes_per_sm"] < budget.inflight_min:
+                    over.append(f"{family} {f} M={m}: {base['inflight_bytes_per_sm']:.0f} bytes in flight per SM "
+                                f"< {budget.inflight_min}")
+    assert not over, "\n".join(over)
+    assert all(r["spills"] == 0 and r["stack"] == 0 for r in rows), [r for r in rows if r["spills"] or r["stack"]]
+    assert all(r["whole_per_weight"] > r["loop_per_weight"] > 0 for r in rows)

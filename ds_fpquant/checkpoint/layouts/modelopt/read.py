@@ -48,8 +48,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ds_fpquant.checkpoint.disk_format import checked
 from ds_fpquant.checkpoint.layouts import registry as layouts
+from ds_fpquant.checkpoint.layouts.registry import checked
 from ds_fpquant.numerics.scales import SCALE_FLOOR
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 

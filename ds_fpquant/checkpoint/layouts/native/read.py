@@ -1,4 +1,4 @@
-"""The two on-disk layouts of a quantized weight (``docs/checkpoints.md``).
+"""The two layouts ds_fpquant writes, read (``docs/checkpoints.md``; writing: :mod:`.write`).
 
 - ``quant_method: "fp8"`` for e4m3 / e5m2 with fp32 scales: ``<m>.weight`` is a ``torch.float8_e4m3fn`` (or
   ``float8_e5m2``) tensor of the weight's shape and ``<m>.weight_scale_inv`` the fp32 block scales
@@ -10,27 +10,32 @@
   :class:`ds_fpquant.QuantizedTensor` holds them (fp32, E8M0 bytes as ``uint8``, NVFP4 e4m3 codes as
   ``float8_e4m3fn``) and, for NVFP4, ``<m>.weight_scale_2`` the fp32 per-tensor scale.
 
-:func:`to_parts` and :func:`from_parts` convert a :class:`~ds_fpquant.QuantizedTensor` to and from those
-named tensors; :func:`quantization_config` and :func:`check_qconfig` write and read ``config.json``'s
-description of them.
+:func:`from_parts` turns those named tensors into a :class:`~ds_fpquant.QuantizedTensor` and :func:`check_qconfig`
+reads ``config.json``'s description of them (:mod:`.write` has the other direction).
+
+Under the same ``"fp8"``, the per-tensor FP8 of AutoFP8 and transformers' older FP8 checkpoints (no
+``weight_block_size``) is read too. AutoFP8 per-tensor FP8 (read only): ``<m>.weight`` ``float8_e4m3fn`` ``(N, K)``, ``<m>.weight_scale`` one
+fp32 multiplier (``()`` or ``(1,)``; bf16 / fp16 widen exactly), ``w = fp32(weight) * weight_scale``;
+``<m>.input_scale`` (``activation_scheme: "static"``): the linears run static per-tensor W8A8 with it (SPEC 8.3).
+Read as one block ``(N, K)`` per matrix.
+
+Block FP8 as ds_fpquant writes it may carry ``<m>.input_scale`` too (``activation_scheme: "static"``, from layers
+with a static input scale): applied the same way.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict
 
 import torch
 
 from ds_fpquant.checkpoint.hf_files import CONFIG
+from ds_fpquant.checkpoint.layouts import registry as layouts
+from ds_fpquant.checkpoint.layouts.registry import checked
 from ds_fpquant.numerics.choices import ALL_SCALE_FORMATS
 from ds_fpquant.numerics.formats import FORMATS, FP8_DTYPES, PRESETS
-from ds_fpquant.numerics.scales import SCALE_FLOOR
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
-from ds_fpquant.version import __version__
-
-__all__ = ["FP8_METHOD", "OWN_METHOD", "to_parts", "from_parts", "quantization_config", "check_qconfig", "whole_blocks", "checked", "check_scale_values"]
 
 FP8_METHOD, OWN_METHOD = "fp8", "ds_fpquant"
 
@@ -50,41 +55,9 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2")
 REQUIRED_PARTS = {FP8_METHOD: ("weight", "weight_scale_inv"), OWN_METHOD: ("weight", "weight_scale")}
 
 
-def whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
-    """Whether a loader that infers the block from the scales' shape (``rows // scale_rows``, as
-    transformers' FP8 loader does) reads a ``shape`` matrix with ``block`` blocks correctly: each side is
-    a multiple of its block or fits in one."""
-    return all(n <= b or n % b == 0 for n, b in zip(shape, block))
-
-
-def to_parts(qt, method: str) -> Dict[str, torch.Tensor]:
-    """The tensors that store ``qt`` in the checkpoint layout, by name (``weight``, ``weight_scale_inv``,
-    ``weight_scale``, ``weight_scale_2``), on the CPU."""
-    if method == FP8_METHOD:
-        return {"weight": qt.codes.view(FP8_DTYPES[qt.fmt]).cpu(), "weight_scale_inv": qt.scales.cpu()}
-    parts = {"weight": qt.codes.cpu(),
-             "weight_scale": (qt.scales.view(torch.float8_e4m3fn) if qt.fmt == "nvfp4" else qt.scales).cpu()}
-    if qt.tensor_scale is not None:
-        parts["weight_scale_2"] = qt.tensor_scale.cpu()
-    return parts
-
-
 def _pair(value) -> bool:
     return (isinstance(value, (list, tuple)) and len(value) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value))
-
-
-def quantization_config(method: str, layout: Dict[str, Any], not_converted: List[str], transposed: List[str],
-                         weight_dtype: str) -> Dict[str, Any]:
-    """``config.json``'s ``quantization_config`` for a checkpoint in ``method``'s layout."""
-    qconfig: Dict[str, Any] = {"quant_method": method, "fmt": layout["fmt"]}
-    if method == FP8_METHOD:
-        qconfig.update(activation_scheme="dynamic", weight_block_size=layout["weight_block_size"])
-    else:
-        qconfig.update(layout, codes="uint8, SPEC 6 row packing")
-    qconfig.update(modules_to_not_convert=not_converted, ignored_layers=not_converted,
-                   ds_fpquant={"version": __version__, "transposed": transposed, "weight_dtype": weight_dtype})
-    return qconfig
 
 
 def check_qconfig(qconfig, path: Path) -> Dict[str, Any]:
@@ -159,30 +132,66 @@ def from_parts(name: str, parts: Dict[str, torch.Tensor], shape, qconfig: Dict[s
     return checked(name, qt)
 
 
-def checked(name: str, qt, scale_values: bool = True):
-    """``qt`` validated (``qt.validate()``) and, with ``scale_values``, its scale values checked
-    (:func:`check_scale_values`); ``ValueError`` / ``TypeError`` naming ``name``. Every reader's last step."""
-    try:
-        qt.validate()
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from None
-    if scale_values:
-        check_scale_values(name, qt)
-    return qt
+_FP8_CODES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def check_scale_values(name: str, qt) -> None:
-    """Stored scales must be what SPEC 3 can produce: fp32 scales positive (NaN marks a faulty group),
-    NVFP4 scale codes non-negative and a finite tensor scale >= 2^-126; E8M0 bytes are all valid."""
-    if qt.scale_format == "fp32":
-        bad = ~(torch.isnan(qt.scales) | ((qt.scales > 0) & torch.isfinite(qt.scales)))
-        if bool(bad.any()):
-            raise ValueError(f"{name}: scales must be finite and > 0 (or NaN for a faulty group, SPEC 3.3); "
-                             f"found {qt.scales[bad].reshape(-1)[0].item()!r}")
-    if qt.tensor_scale is not None:
-        if bool((qt.scales >= 0x80).any()):
-            raise ValueError(f"{name}.weight_scale: NVFP4 group scale codes are non-negative e4m3 (SPEC 3.4); "
-                             f"found a negative one")
-        t = qt.tensor_scale.item()
-        if not (math.isfinite(t) and t >= SCALE_FLOOR):
-            raise ValueError(f"{name}.weight_scale_2={t!r}: the NVFP4 tensor scale is finite and >= 2^-126 (SPEC 3.4)")
+def _not_converted(qconfig: Dict[str, Any], where: str):
+    entries = []
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        value = qconfig.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where}.{key}={value!r} must be a list of module names")
+        entries += value
+    return tuple(entries)
+
+
+def _activation_scheme(qconfig: Dict[str, Any], where: str) -> str:
+    scheme = qconfig.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(f"{where}.activation_scheme={scheme!r}; allowed: 'static', 'dynamic'")
+    return scheme
+
+
+def _own_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
+    own = check_qconfig(qconfig, path)
+    method = qconfig["quant_method"]
+    where = f"{str(path / CONFIG)!r}: quantization_config"
+    fp8 = method == FP8_METHOD
+    static = fp8 and _activation_scheme(qconfig, where) == "static"
+    return layouts.Reading(
+        method=method, own=own, suffixes=(".weight", *SCALE_SUFFIXES, *((".input_scale",) if fp8 else ())),
+        code_dtypes=("F8_E4M3", "F8_E5M2") if fp8 else ("U8",),
+        from_parts=lambda name, parts, shape, dtype: from_parts(name, parts, shape, qconfig, dtype),
+        activation_parts=("input_scale",) if fp8 else (), static_input=lambda name: static,
+        ignore=_not_converted(qconfig, where))
+
+
+def _per_tensor_fp8(name: str, parts: Dict[str, torch.Tensor], shape, dtype) -> QuantizedTensor:
+    """One AutoFP8 weight: e4m3/e5m2 codes with a single multiplier, as one ``(N, K)`` block."""
+    layouts.check_parts(name, "fp8 (per-tensor)", parts, ("weight", "weight_scale"))
+    weight, scale = parts["weight"], parts["weight_scale"]
+    if weight.dtype not in _FP8_CODES:
+        raise ValueError(f"{name}.weight: a per-tensor FP8 weight is float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+    if scale.numel() != 1 or scale.dim() > 1:
+        raise ValueError(f"{name}.weight_scale: a per-tensor FP8 scale is one value (shape () or (1,)); got shape "
+                         f"{tuple(scale.shape)} (a block-FP8 checkpoint names its weight_block_size)")
+    n, k = shape
+    qt = QuantizedTensor(codes=weight.view(torch.uint8), scales=layouts.widen_scales(name, "weight_scale", scale)
+                         .reshape(1, 1), shape=torch.Size(shape), dtype=dtype, fmt=_FP8_CODES[weight.dtype],
+                         group_size=k, block=(n, k))
+    return checked(name, qt)
+
+
+def _fp8_reading(qconfig: Dict[str, Any], path: Path) -> layouts.Reading:
+    if qconfig.get("weight_block_size") is not None:
+        return _own_reading(qconfig, path)
+    where = f"{str(path / CONFIG)!r}: quantization_config"
+    static = _activation_scheme(qconfig, where) == "static"
+    return layouts.Reading(method=FP8_METHOD, own={}, suffixes=(".weight", ".weight_scale", ".input_scale"),
+                           code_dtypes=("F8_E4M3", "F8_E5M2"), from_parts=_per_tensor_fp8,
+                           activation_parts=("input_scale",), static_input=lambda name: static,
+                           ignore=_not_converted(qconfig, where))
+
+
+layouts.register((FP8_METHOD,), _fp8_reading)
+layouts.register((OWN_METHOD,), _own_reading)

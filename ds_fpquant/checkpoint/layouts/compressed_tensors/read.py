@@ -40,9 +40,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_fpquant.checkpoint.disk_format import checked
 from ds_fpquant.checkpoint.hf_files import CONFIG
 from ds_fpquant.checkpoint.layouts import registry as layouts
+from ds_fpquant.checkpoint.layouts.registry import checked
 from ds_fpquant.numerics.scales import SCALE_FLOOR
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 

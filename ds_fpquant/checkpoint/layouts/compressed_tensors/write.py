@@ -1,5 +1,5 @@
 """Writing the compressed-tensors layout (``quant_method: "compressed-tensors"``, the conventions of
-compressed-tensors 0.20.1 that :mod:`ds_fpquant.checkpoint.layouts.compressed_tensors` reads; ``docs/checkpoints.md``).
+compressed-tensors 0.20.1 that :mod:`ds_fpquant.checkpoint.layouts.compressed_tensors.read` reads; ``docs/checkpoints.md``).
 
 What is written, per quantized weight ``<m>`` (``(N, K)``), by ``format``:
 
@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ds_fpquant.checkpoint.layouts.compressed_tensors import METHOD
+from ds_fpquant.checkpoint.layouts.compressed_tensors.read import METHOD
 from ds_fpquant.numerics.formats import WHOLE
 from ds_fpquant.version import __version__
 

@@ -1,5 +1,5 @@
 """Writing NVIDIA ModelOpt's layout (``quant_method: "modelopt"``, as nvidia-modelopt 0.47's ``export_hf_checkpoint``
-writes it and :mod:`ds_fpquant.checkpoint.layouts.modelopt` reads it; ``docs/checkpoints.md``).
+writes it and :mod:`ds_fpquant.checkpoint.layouts.modelopt.read` reads it; ``docs/checkpoints.md``).
 
 Per quantized weight ``<m>`` (``(N, K)``), by ``quant_algo`` (the spellings ModelOpt 0.47 writes):
 
@@ -39,7 +39,13 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ds_fpquant.checkpoint.layouts.modelopt import FP8_BLOCK, HF_QUANT_CONFIG, MODELOPT_METHOD, MX_GROUP, NVFP4_GROUP
+from ds_fpquant.checkpoint.layouts.modelopt.read import (
+    FP8_BLOCK,
+    HF_QUANT_CONFIG,
+    MODELOPT_METHOD,
+    MX_GROUP,
+    NVFP4_GROUP,
+)
 from ds_fpquant.numerics.formats import WHOLE
 
 __all__ = ["LAYOUT", "HF_QUANT_CONFIG", "NVFP4_GROUP", "GROUPS", "check", "to_parts", "hf_quant_config", "quantization_config"]
