@@ -2,13 +2,17 @@
 //   y[m, n] = sum_g s[n, g] * (sum_{j in g} x[m, j] * decode(q[n, j]))
 // in fp32: each code decoded exactly (never rounded with its scale), the group scale multiplying the
 // group's partial sum. The bias and the one rounding to x's dtype are the binding's.
-//  * 4-, 6- and 8-bit codes in groups of a multiple of 16, where the build targets AVX-512 BF16 + VBMI:
-//    the register-blocked kernel (fp_linear_small_m_cpu.cpp), any m.
-//  * Everything else (e4m7, other group sizes, portable builds such as x86-64-v3): here, OpenMP over weight
-//    rows. Each row is decoded once into an fp32 buffer (decode(q) exactly, the shared codec), and every row
-//    of x takes its group partial sums in 16 fp32 lanes, times the group scale, added in fp32.
-// ds_fpquant.linear.weight_only decides which rows of x come here and which take panels of decode_rows
-// (fp_dequantize_cpu.cpp). No torch includes.
+// linear_cpu_kernel is the one dispatch (by the build's ISA, m, the format and the grouping):
+//  * "avx512_register" (builds for AVX-512 BF16 + VBMI, m <= kAvx512MaxM, 4-, 6- and 8-bit codes in groups of a
+//    multiple of 16): the register-blocked kernel (fp_linear_small_m_cpu.cpp).
+//  * "avx2_gemv" (AVX2 + FMA builds, AVX-512 ones included; m <= kGemvMaxM, e4m3 / e5m2 in groups of a multiple
+//    of 16, e2m1 in groups of 16 or a multiple of 32): weight rows streamed (fp_linear_gemv_avx2_cpu.cpp).
+//  * "avx2_gemm" (AVX2 + FMA builds, everything else, any m): decode-once panels (fp_linear_gemm_avx2_cpu.cpp).
+//  * "portable" (builds without AVX2 + FMA, such as non-x86 ones): here, OpenMP over weight rows. Each row is decoded
+//    once into an fp32 buffer (decode(q) exactly, the shared codec), and every row of x takes its group partial
+//    sums in 16 fp32 lanes, times the group scale, added in fp32. ds_fpquant.linear.weight_only sends these builds
+//    only up to SMALL_M rows of x and multiplies panels of decode_rows (fp_dequantize_cpu.cpp) beyond.
+// No torch includes.
 
 #include <algorithm>
 #include <string>
@@ -88,14 +92,54 @@ std::vector<std::string> linear_cpu_paths()
 #if defined(FPQ_DIRECT_BF16)
     paths.emplace_back("direct_bf16");
 #endif
+#if defined(FPQ_AVX2_FMA)
+    paths.emplace_back("avx2_fma");
+#endif
     return paths;
+}
+
+CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args)
+{
+#if defined(FPQ_DIRECT_BF16)
+    if (args.m <= cpu_kernels::kAvx512MaxM && cpu_kernels::linear_small_m_applies(fmt, args)) {
+        return CpuLinearKernel::kAvx512Register;
+    }
+#endif
+#if defined(FPQ_AVX2_FMA)
+    if (cpu_kernels::linear_gemv_avx2_applies(fmt, args)) { return CpuLinearKernel::kAvx2Gemv; }
+    return CpuLinearKernel::kAvx2Gemm;
+#else
+    (void)fmt;
+    (void)args;
+    return CpuLinearKernel::kPortable;
+#endif
+}
+
+const char* linear_cpu_kernel_name(CpuLinearKernel kernel)
+{
+    switch (kernel) {
+        case CpuLinearKernel::kAvx512Register: return "avx512_register";
+        case CpuLinearKernel::kAvx2Gemv: return "avx2_gemv";
+        case CpuLinearKernel::kAvx2Gemm: return "avx2_gemm";
+        case CpuLinearKernel::kPortable: break;
+    }
+    return "portable";
 }
 
 void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16)
 {
+    const CpuLinearKernel kernel = linear_cpu_kernel(fmt, args);
 #if defined(FPQ_DIRECT_BF16)
-    if (cpu_kernels::linear_small_m(fmt, args, x_bf16)) { return; }
+    if (kernel == CpuLinearKernel::kAvx512Register && cpu_kernels::linear_small_m(fmt, args, x_bf16)) { return; }
 #endif
+#if defined(FPQ_AVX2_FMA)
+    if (kernel == CpuLinearKernel::kAvx2Gemv && cpu_kernels::linear_gemv_avx2(fmt, args, x_bf16)) { return; }
+    if (kernel != CpuLinearKernel::kPortable) {
+        cpu_kernels::linear_gemm_avx2(fmt, args, x_bf16);
+        return;
+    }
+#endif
+    (void)kernel;  // kPortable
     dispatch_format(fmt, [&](auto f) {
         if (x_bf16) {
             linear_groups<decltype(f), Bf16>(args);

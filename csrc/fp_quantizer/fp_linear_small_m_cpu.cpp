@@ -272,10 +272,19 @@ void linear_small_m_as(const LinearArgs& a)
 }
 
 template <class F>
+bool small_m_applies(const LinearArgs& a)
+{
+    if constexpr (RawBf16Decoder<F>::kSupported) {
+        return a.group_size % 16 == 0 && RawBf16Decoder<F>().exact;
+    }
+    return false;
+}
+
+template <class F>
 bool try_linear_small_m(const LinearArgs& a, bool x_bf16)
 {
     if constexpr (RawBf16Decoder<F>::kSupported) {
-        if (a.group_size % 16 != 0 || !RawBf16Decoder<F>().exact) { return false; }
+        if (!small_m_applies<F>(a)) { return false; }
         if (x_bf16) {
             linear_small_m_as<F, DotBf16>(a);
         } else {
@@ -287,6 +296,11 @@ bool try_linear_small_m(const LinearArgs& a, bool x_bf16)
 }
 
 }  // namespace
+
+bool linear_small_m_applies(Format fmt, const LinearArgs& args)
+{
+    return dispatch_format(fmt, [&](auto f) { return small_m_applies<decltype(f)>(args); });
+}
 
 bool linear_small_m(Format fmt, const LinearArgs& args, bool x_bf16)
 {

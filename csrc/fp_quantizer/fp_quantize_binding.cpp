@@ -286,6 +286,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     return y32.to(x.scalar_type());
 }
 
+// Which CPU kernel linear() runs for x (m, k) and the weight W (as for weight_args) in this build: "avx512_register",
+// "avx2_gemv", "avx2_gemm" or "portable" (fp_linear_cpu.cpp), "none" where m, n or k is 0 (no kernel runs).
+std::string linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::string& scale_kind, int64_t block_rows, double tensor_scale,
+                          const std::string& fmt_name, int64_t group_size)
+{
+    const fpq::Format fmt = parse_format(fmt_name);
+    TORCH_CHECK_VALUE(x.dim() == 2, "x must be a 2-D (m, k) tensor");
+    TORCH_CHECK_VALUE(x.is_cpu() && codes.is_cpu(), "linear_kernel: CPU tensors only");
+    fpq::LinearArgs args = weight_args(codes, scales, scale_kind, block_rows, tensor_scale, fmt, group_size, x.size(1),
+                                       x.scalar_type());
+    args.m = x.size(0);
+    if (args.m == 0 || args.n == 0 || args.k == 0) { return "none"; }
+    return fpq::linear_cpu_kernel_name(fpq::linear_cpu_kernel(fmt, args));
+}
+
 // Rows n0 .. n1-1 of dequant(W) (W as for weight_args) written into out ((n1 - n0, k), contiguous, of out's
 // dtype fp32 / fp16 / bf16): the panels of the large-m linear. CPU tensors.
 void decode_rows(const at::Tensor& codes, const at::Tensor& scales, const std::string& scale_kind, int64_t block_rows,
@@ -375,12 +391,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("linear", &linear, "y = x @ dequant(W)^T + bias, decoded on the fly (CPU; CUDA for m <= 8)", py::arg("x"),
           py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
           py::arg("bias"), py::arg("fmt"), py::arg("group_size"));
+    m.def("linear_kernel", &linear_kernel, "which CPU kernel linear() runs for x and W in this build", py::arg("x"),
+          py::arg("codes"), py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"),
+          py::arg("fmt"), py::arg("group_size"));
     m.def("decode_rows", &decode_rows, "rows n0 .. n1-1 of dequant(W) into out (CPU)", py::arg("codes"),
           py::arg("scales"), py::arg("scale_kind"), py::arg("block_rows"), py::arg("tensor_scale"), py::arg("fmt"),
           py::arg("group_size"), py::arg("n0"), py::arg("n1"), py::arg("out"));
     m.def("format_table", &format_table, "the C++ format traits");
     m.def("cpu_paths", &fpq::linear_cpu_paths,
-          "the AVX-512 paths compiled into the CPU kernels (fast_decode, bf16_dot, direct_bf16); [] when portable");
+          "the vector paths compiled into the CPU kernels (fast_decode, bf16_dot, direct_bf16, avx2_fma); [] when "
+          "portable");
     m.def("dot_peak_kinds", &dot_peak_kinds,
           "the peak dot-product loops of this build (name, instruction, flops_per_instruction, accumulators, "
           "unavailable: '' where this CPU and OS run it, else why not)");

@@ -30,7 +30,7 @@ from ds_fpquant.tensor.quantize import dequantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 from ds_fpquant.tensor.slicing import row_slice
 
-__all__ = ["weight_only_linear", "scale_layout", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
+__all__ = ["weight_only_linear", "scale_layout", "cpu_gemm", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
 
 
 #: Rows of ``x`` (tokens) up to which the fused CPU kernel runs; more rows take the fp32 panel path. Per activation
@@ -51,6 +51,18 @@ GEMV_MAX_ROWS = 16
 #: Bytes of one panel of decoded weight rows for more rows on CUDA: well inside an H100/H200 L2 (50/60 MB),
 #: so cuBLAS reads the panel from L2 right after it is written (a design value; docs/gpu.md).
 CUDA_PANEL_BYTES = 16 * 2**20
+
+
+def cpu_gemm(op) -> bool:
+    """Whether the compiled CPU op ``op`` runs every M itself (its AVX2 GEMV and GEMM, ``"avx2_fma"`` in
+    ``op.cpu_paths()``: every x86-64-v3 or newer build), so that no rows of ``x`` take the fp32 panels."""
+    cached = _cpu_gemm.get(id(op))
+    if cached is None:
+        cached = _cpu_gemm[id(op)] = "avx2_fma" in op.cpu_paths()
+    return cached
+
+
+_cpu_gemm: dict = {}  # id(op) -> cpu_gemm(op)
 
 
 def scale_layout(qt: QuantizedTensor) -> Tuple[torch.Tensor, str, int, float]:
@@ -146,7 +158,7 @@ def weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torc
             y = _fused(impl, x2, qt, bias)
         else:
             y = _panels(x2, qt, bias, CUDA_PANEL_BYTES, _dequantizing_decoder(qt, x2, backend))
-    elif m <= SMALL_M[x2.dtype]:
+    elif m <= SMALL_M[x2.dtype] or cpu_gemm(impl):
         y = _fused(impl, x2, qt, bias)
     else:  # panels decoded in fp32 (fl(decode(q) * s)), fp32 matmul, one rounding to x's dtype
         x32 = x2.float()

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +34,13 @@
 #define FPQ_DIRECT_BF16 1
 #endif
 
+// avx2_fma: AVX2 + FMA, the AVX2 linear (exact decoders fp_avx2_decode_cpu.h; the GEMV
+// fp_linear_gemv_avx2_cpu.cpp and the GEMM fp_linear_gemm_avx2_cpu.cpp). Every x86-64-v3 build has it, the
+// AVX-512 builds too.
+#if defined(__AVX2__) && defined(__FMA__)
+#define FPQ_AVX2_FMA 1
+#endif
+
 namespace fpq {
 namespace cpu_kernels {
 
@@ -45,6 +52,21 @@ constexpr int64_t kLanes = 16;           // fp32 lanes of one AVX-512 vector; ch
 // false, having done nothing, where it does not apply (not a 4-, 6- or 8-bit format, groups not a multiple
 // of 16 codes).
 bool linear_small_m(Format fmt, const LinearArgs& args, bool x_bf16);
+bool linear_small_m_applies(Format fmt, const LinearArgs& args);  // whether linear_small_m runs these arguments
+// rows of x up to which linear_cpu runs the register-blocked kernel (the crossover measured in earlier sessions on
+// AVX-512 BF16 machines); more rows take the AVX2 GEMM
+constexpr int64_t kAvx512MaxM = 32;
+#endif
+
+#if defined(FPQ_AVX2_FMA)
+// SPEC 8's y = sum_g s_g * (x . decode(q))_g (fp32, no bias), x rows as for linear_small_m, by the AVX2 kernels:
+// the GEMV (weight rows streamed, K in the lanes, m <= kGemvMaxM) where it applies (e4m3 / e5m2 with groups of a
+// multiple of 16 codes, e2m1 with groups of 16 or a multiple of 32; returns false, having done nothing, otherwise),
+// and the GEMM (decoded panels of 16 weight rows, N in the lanes; every format and layout, any m).
+constexpr int64_t kGemvMaxM = 4;
+bool linear_gemv_avx2(Format fmt, const LinearArgs& args, bool x_bf16);
+bool linear_gemv_avx2_applies(Format fmt, const LinearArgs& args);  // whether linear_gemv_avx2 runs these arguments
+void linear_gemm_avx2(Format fmt, const LinearArgs& args, bool x_bf16);
 #endif
 
 }  // namespace cpu_kernels

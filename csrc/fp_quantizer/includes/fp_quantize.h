@@ -72,14 +72,19 @@ struct LinearArgs {
 
 // The fp32 scale at `index` of LinearArgs::scales (SPEC 3.1; 3.2: 2^(b - 127), byte 255 is NaN; 3.4 NVFP4:
 // fl(decode_e4m3(c) * t), the NaN code gives NaN).
-FPQ_HD float linear_scale_of(const LinearArgs& a, int64_t index)
+// The fp32 scale a scale byte stands for (LinearScale::kE8m0 or kE4m3).
+FPQ_HD float linear_scale_of_byte(const LinearArgs& a, uint32_t byte)
 {
-    if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
-    const uint32_t byte = static_cast<const uint8_t*>(a.scales)[index];
     if (a.scale_kind == LinearScale::kE8m0) {
         return byte == kE8m0Nan ? bits_f32(kF32QuietNan) : pow2f(int(byte) - kE8m0Bias);
     }
     return mul_rn(decode<E4M3>(byte), a.tensor_scale);
+}
+
+FPQ_HD float linear_scale_of(const LinearArgs& a, int64_t index)
+{
+    if (a.scale_kind == LinearScale::kFp32) { return static_cast<const float*>(a.scales)[index]; }
+    return linear_scale_of_byte(a, static_cast<const uint8_t*>(a.scales)[index]);
 }
 
 // The scale of group g of weight row n; 2-D blocks have one scale row per block_rows rows.
@@ -131,8 +136,14 @@ void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1,
 // The fused linear (SPEC 8; fp_linear_cpu.cpp, its register-blocked kernel fp_linear_small_m_cpu.cpp):
 // y (m, n) fp32 = sum_g s_g * (sum_{j in g} x_j * decode(q_j)), no bias; x bf16 when x_bf16, else fp32.
 void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
-// The AVX-512 paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL),
-// bf16_dot (+ BF16), direct_bf16 (+ VBMI); none in a portable build such as DS_FPQUANT_CPU_ARCH=x86-64-v3.
+// Which CPU kernel linear_cpu runs for these arguments (m, format, grouping) in this build (fp_linear_cpu.cpp), and
+// its name for the binding: "avx512_register", "avx2_gemv", "avx2_gemm", "portable".
+enum class CpuLinearKernel : int { kAvx512Register = 0, kAvx2Gemv = 1, kAvx2Gemm = 2, kPortable = 3 };
+CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args);
+const char* linear_cpu_kernel_name(CpuLinearKernel kernel);
+// The vector paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL), bf16_dot
+// (+ BF16), direct_bf16 (+ VBMI), avx2_fma (AVX2 + FMA: the AVX2 GEMV and GEMM); a DS_FPQUANT_CPU_ARCH=x86-64-v3
+// build has avx2_fma only, a non-x86 build none.
 std::vector<std::string> linear_cpu_paths();
 // y = x @ W^T + bias for few rows of x on the GPU (the tensor-core GEMV of fp_gemv_kernels.cuh), SPEC 8.1's formula:
 // exact codes, group partial sums (mma chains) times the group scale, fp32, bias added in fp32, one rounding to x's

@@ -134,9 +134,9 @@ def test_cpu_arch_variable_names_a_portable_build(monkeypatch):
 
 
 def test_loaded_cpu_op_runs_the_paths_its_target_has():
-    """The op in use was compiled for the target the builder names (native, or DS_FPQUANT_CPU_ARCH): its AVX-512
-    paths are exactly those the target's macros allow; a portable build (the second pass of .ci/run) has
-    none, so the portable loops are what the tests of that pass exercise."""
+    """The op in use was compiled for the target the builder names (native, or DS_FPQUANT_CPU_ARCH): its vector
+    paths are exactly those the target's macros allow; the x86-64-v3 build (the second pass of .ci/run) has
+    avx2_fma only (the AVX2 GEMV and GEMM, no AVX-512 path), so those are what the tests of that pass exercise."""
     from ds_fpquant.op_builder import builder
     from ds_fpquant.ops.backends import load_op
 
@@ -147,10 +147,12 @@ def test_loaded_cpu_op_runs_the_paths_its_target_has():
         pytest.skip(f"no compiled CPU op: {why}")
     cpu = FPQuantizerCPUBuilder()
     macros = set(builder.resolved_target(os.environ.get("CXX", "c++"), builder.target_flags(cpu.cxx_args())).splitlines())
-    has = {isa: f"#define __{isa}__ 1" in macros for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512BF16", "AVX512VBMI")}
+    has = {isa: f"#define __{isa}__ 1" in macros
+           for isa in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512BF16", "AVX512VBMI", "AVX2", "FMA")}
     fast = has["AVX512F"] and has["AVX512BW"] and has["AVX512VL"]
     expected = [p for p, ok in (("fast_decode", fast), ("bf16_dot", fast and has["AVX512BF16"]),
-                                ("direct_bf16", fast and has["AVX512BF16"] and has["AVX512VBMI"])) if ok]
+                                ("direct_bf16", fast and has["AVX512BF16"] and has["AVX512VBMI"]),
+                                ("avx2_fma", has["AVX2"] and has["FMA"])) if ok]
     assert module.cpu_paths() == expected, (os.environ.get("DS_FPQUANT_CPU_ARCH"), sorted(m for m in macros if "AVX" in m))
 
 
