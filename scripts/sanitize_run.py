@@ -23,7 +23,7 @@ from ds_fpquant.linear import linear
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from unit.linear_bound import assert_linear_within_bound  # noqa: E402
 
-#: The GEMV's layers: (n, k, kwargs of quantize). 19 x 301: ragged groups, the padded path, one tile; 130 x 4096: three
+#: The GEMV's layers: (n, k, fmt, kwargs of quantize). 19 x 301: ragged groups, the padded path, one tile; 130 x 4096: three
 #: tiles on an H200's 132 SMs, so K is split (8 splits) and the last block of each tile reduces and resets its counter.
 GEMV_LAYERS = [(19, 301, "e4m3", {"group_size": 128}), (19, 301, "e2m1", {"group_size": 48}),
                (19, 301, "e3m2", {"group_size": 7}), (19, 301, "nvfp4", {}), (19, 301, "e4m3", {"block": (128, 128)})]
