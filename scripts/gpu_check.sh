@@ -24,8 +24,8 @@
 # The global deadline (GPU_CHECK_DEADLINE_S, default 480 s after the start) caps every step's own limit; a step
 # that would start with less than GPU_CHECK_MIN_STEP_S (default 5 s) left is not started and the summary says the
 # deadline skipped it. Each summary line: the step, its exit status (124: its limit or the deadline cut it), seconds.
-# Exit status 0 when every step that ran passed, else 1. Other knobs: GPU_CHECK_PY (python, default python3), GPU_CHECK_SKIP (step names not to run, e.g. "install" on a
-# machine where the project is installed already; the summary says so).
+# Exit status 0 when every step that ran passed, else 1. Other knobs: GPU_CHECK_PY (python, default python3),
+# GPU_CHECK_SKIP (step names not to run, e.g. "install" where the project is installed already; the summary says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu}"
