@@ -4,8 +4,9 @@ Model-sized passes that the L2 cache cannot flatter (issue 42): each shape is a 
 so that the *smallest* quantized pass (the format of fewest bytes per layer, codes plus scales) reads at least
 ``L2_FACTOR`` = 4 times the L2; one timed pass runs all L layers (as a decode step reads every weight once), time
 per layer. For M <= 16 each pass is captured in a CUDA graph and replayed, so launch overhead does not hide the
-kernels. ``--layers`` fixes L; it is refused (before any kernel runs) where the smallest quantized pass would be
-under 4x the L2 (the device's, or ``--l2-bytes``).
+kernels (``graph`` in each row: false where the pass could not be captured and ran eagerly). ``--layers`` fixes L;
+it is refused (before any kernel runs) where the smallest quantized pass would be under 4x the L2 (the device's, or
+``--l2-bytes``).
 
 The ceiling is measured in the same run: ``copy_tbps``, a device-to-device copy of 2 GiB, counted as bytes read +
 bytes written per second. Every row is one JSON line, printed the moment it is measured (``--json`` appends the
@@ -33,6 +34,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -128,21 +130,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _time_pass(fn, repeat: int, graph: bool) -> float:
-    """Median ms of fn() (one pass over the layers), replayed from a CUDA graph if ``graph``."""
+def _time_pass(fn, repeat: int, graph: bool) -> Tuple[float, bool]:
+    """(median ms of fn(), one pass over the layers; whether it was replayed from a CUDA graph). With ``graph`` the pass
+    is captured once and replayed; a pass that cannot be captured (a host sync inside, e.g. NVFP4's tensor scale read
+    as a float by the linear) is timed eagerly instead, and the row says so."""
     fn()
     torch.cuda.synchronize()
-    run = fn
+    run, graphed = fn, False
     if graph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up on a side stream, as torch.cuda.graph's documentation does
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
+        cuda_graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(cuda_graph):
+                fn()
+            run, graphed = cuda_graph.replay, True
+        except RuntimeError:
+            torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -151,7 +158,7 @@ def _time_pass(fn, repeat: int, graph: bool) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], graphed
 
 
 class Emitter:
@@ -191,7 +198,7 @@ def measure_copy(emit, repeat: int) -> float:
     """TB/s (read + written) of a 2 GiB device-to-device copy."""
     src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = _time_pass(lambda: dst.copy_(src), repeat, graph=False)  # one launch
+    ms, _ = _time_pass(lambda: dst.copy_(src), repeat, graph=False)  # one launch
     tbps = 2 * src.numel() * 2 / ms / 1e9
     emit(kind="copy", bytes=2 * src.numel() * 2, ms=ms, copy_tbps=tbps)
     return tbps
@@ -211,19 +218,21 @@ def bench_shape(emit, n: int, k: int, args, l2: int, copy_tbps: float) -> None:
 
         def row(fmt, path, fn, nbytes, ref_w, first):
             try:
-                ms = _time_pass(lambda: [fn(i) for i in range(layers)], args.repeat, graph) / layers
+                ms, graphed = _time_pass(lambda: [fn(i) for i in range(layers)], args.repeat, graph)
+                ms /= layers
                 err = _rel_err(first(), F.linear(x, ref_w))
             except RuntimeError as exc:  # e.g. cuBLASLt refusing a shape: the row says so, the run goes on
                 emit(**common, m=m, fmt=fmt, path=path, error=str(exc).splitlines()[0] if str(exc) else repr(exc))
                 return
             weight_tbps = nbytes / ms / 1e9
             emit(**common, m=m, fmt=fmt, path=path, ms=ms, vs_bf16=base / ms, weight_tbps=weight_tbps,
-                 of_copy=weight_tbps / copy_tbps, rel_err=err)
+                 of_copy=weight_tbps / copy_tbps, rel_err=err, graph=graphed)
 
         graph = m <= GEMV_MAX_ROWS
-        base = _time_pass(lambda: [F.linear(x, w) for w in weights], args.repeat, graph) / layers
+        base, graphed = _time_pass(lambda: [F.linear(x, w) for w in weights], args.repeat, graph)
+        base /= layers
         emit(**common, m=m, fmt="bf16", path="F.linear", ms=base, vs_bf16=1.0, weight_tbps=n * k * 2 / base / 1e9,
-             of_copy=n * k * 2 / base / 1e9 / copy_tbps, rel_err=0.0)
+             of_copy=n * k * 2 / base / 1e9 / copy_tbps, rel_err=0.0, graph=graphed)
 
         def scaled_mm(i):
             xq, sx = _per_tensor_e4m3(x)
@@ -250,12 +259,12 @@ def bench_quantize(emit, args, copy_tbps: float) -> None:
             try:
                 qt = quantize(x, fmt, 128 if fmt == "e4m3" else None, backend=backend)
                 out_bytes = qt.nbytes
-                ms = _time_pass(lambda: quantize(x, fmt, 128 if fmt == "e4m3" else None, backend=backend),
-                                args.repeat, graph=False)
+                ms, _ = _time_pass(lambda: quantize(x, fmt, 128 if fmt == "e4m3" else None, backend=backend),
+                                   args.repeat, graph=False)
                 tbps = (x.numel() * 2 + out_bytes) / ms / 1e9
                 emit(kind="quantize", fmt=fmt, backend=backend, bytes_in=x.numel() * 2, bytes_out=out_bytes, ms=ms,
                      tbps=tbps, of_copy=tbps / copy_tbps)
-                ms = _time_pass(lambda: qt.dequantize(torch.bfloat16, backend=backend), args.repeat, graph=False)
+                ms, _ = _time_pass(lambda: qt.dequantize(torch.bfloat16, backend=backend), args.repeat, graph=False)
                 tbps = (x.numel() * 2 + out_bytes) / ms / 1e9
                 emit(kind="dequantize", fmt=fmt, backend=backend, bytes_in=out_bytes, bytes_out=x.numel() * 2, ms=ms,
                      tbps=tbps, of_copy=tbps / copy_tbps)
