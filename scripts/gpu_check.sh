@@ -68,7 +68,9 @@ write_summary() {
         { head -c 2097152 "$f"; printf '\n[... cut by gpu_check ...]\n'; tail -c 2097152 "$f"; } > "$f.cut" && mv "$f.cut" "$f"
     done
     cp "$work/summary.txt" "$out/summary.txt.tmp" && mv "$out/summary.txt.tmp" "$out/summary.txt"
-    tar -czf "$out/gpu_check.tgz.tmp" -C "$work" --exclude=./status . && mv "$out/gpu_check.tgz.tmp" "$out/gpu_check.tgz"
+    # tar's status 1: a log grew while it was read (the other lane's step); the archive is still whole
+    tar -czf "$out/gpu_check.tgz.tmp" -C "$work" --exclude=./status . 2> /dev/null
+    if [ $? -le 1 ]; then mv "$out/gpu_check.tgz.tmp" "$out/gpu_check.tgz"; fi
 }
 
 on_exit() {
@@ -109,7 +111,8 @@ step() {  # step NAME LIMIT_S COMMAND...: COMMAND (a command or an exported func
         if [ "$left" -lt "$limit" ]; then limit=$left cut=" (the deadline)"; fi
         touch "$work/status/$name.running"
         echo "== $name (limit ${limit} s$cut)"
-        timeout -k 5 "$limit" bash -c '"$@"' "$name" "$@" > "$work/$name.log" 2>&1
+        timeout -k 5 "$limit" bash -c '"$@"' "$name" "$@" > "$work/$name.log" 2>&1 &
+        wait $!  # (in the background: a signal to this script is handled at once, not when the step ends)
         rc=$?
         echo "rc=$rc, $((SECONDS - t0)) s, limit ${limit} s$cut" > "$work/status/$name"
         tail -n 15 "$work/$name.log"
