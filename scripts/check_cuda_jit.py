@@ -31,6 +31,9 @@ def main() -> int:
     from ds_fpquant.op_builder.fp_quantizer import FPQuantizerBuilder
 
     result = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "gpu": torch.cuda.is_available()}
+    if torch.version.cuda is None:  # a CPU build of torch builds no CUDA op: fail at once (gpu_check's stand-in)
+        print(json.dumps({**result, "ok": False, "error": "torch is a CPU build (torch.version.cuda is None)"}))
+        return 1
     builder = FPQuantizerBuilder()
     result["compatible"] = builder.is_compatible(verbose=True)
     result["incompatible_reason"] = builder.error_log

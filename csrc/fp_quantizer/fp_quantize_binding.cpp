@@ -259,13 +259,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
         gemv.x = x.data_ptr();
         gemv.bias = b.defined() ? b.data_ptr() : nullptr;
         gemv.y = y.data_ptr();
-        // split-K scratch from torch's caching allocator on this stream: freed when linear returns, reused only by
-        // work queued after the kernel on the same stream
-        std::vector<at::Tensor> scratch;
-        auto alloc = [&](int64_t bytes, bool zeroed) -> void* {
-            const auto options = x.options().dtype(at::kByte);
-            scratch.push_back(zeroed ? at::zeros({bytes}, options) : at::empty({bytes}, options));
-            return scratch.back().data_ptr();
+        // split-K partial sums from torch's caching allocator on this stream (no fill: no extra kernel), freed when
+        // linear returns, reused only by work queued after the kernel on the same stream; the split-K counters are
+        // the launcher's, created once per device and stream (gemv_workspace)
+        at::Tensor partials;
+        auto alloc = [&](int64_t bytes) -> void* {
+            partials = at::empty({bytes}, x.options().dtype(at::kByte));
+            return partials.data_ptr();
         };
         fpq::linear_cuda(fmt, gemv, static_cast<void*>(c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
                          alloc);
@@ -378,6 +378,23 @@ double dot_peak_gflops(const std::string& kind, int64_t threads, double min_seco
     return fpq::peak_gflops(kind, int(threads), min_seconds, int(trials));  // std::invalid_argument: ValueError
 }
 
+#if defined(FPQ_WITH_CUDA)
+// The split-K counters' workspace of the CUDA linear on `device` (index) and its current stream: {"created": buffers
+// created on the device so far, every stream; "capacity": counters of the stream's buffer, 0 before its first split
+// launch; "counters": its address}. A layer called again reuses the buffer: "created" stays and no memset runs.
+py::dict gemv_workspace(int64_t device)
+{
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const auto info = fpq::gemv_workspace_info(
+        static_cast<int>(device), static_cast<void*>(c10::cuda::getCurrentCUDAStream(device).stream()));
+    py::dict out;
+    out["created"] = info.created;
+    out["capacity"] = info.capacity;
+    out["counters"] = static_cast<uint64_t>(info.counters);
+    return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -410,6 +427,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           py::arg("min_seconds") = 0.2, py::arg("trials") = 3);
     m.def("philox4x32_10", &philox, "Philox4x32-10 of one counter (c0..c3) and key (k0, k1)");
 #if defined(FPQ_WITH_CUDA)
+    m.def("gemv_workspace", &gemv_workspace,
+          "the CUDA linear's split-K counters on a device's current stream: created (buffers so far, every stream), "
+          "capacity, counters (address)", py::arg("device"));
     m.attr("WITH_CUDA") = true;
 #else
     m.attr("WITH_CUDA") = false;

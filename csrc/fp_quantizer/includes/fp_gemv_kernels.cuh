@@ -1311,11 +1311,14 @@ inline GemvPlan gemv_plan(const GemvArgs& a, int num_sms, int piece)
 // Rows of x an instantiation is built for: 8 (one n-tile) or 16 (two).
 inline int gemv_rows_for(int64_t m) { return m <= 8 ? 8 : 16; }
 
-// The GEMV's kernel and launch: calls scratch(bytes, zeroed) for the split-K workspace and counters when the plan
-// splits K, then launch(kernel, grid, block, shared_bytes, args, plan) once; nothing without rows. Shapes the kernel's
-// int indices cannot hold (k, n >= 2^31) and m > kGemvMaxRows raise.
-template <class Scratch, class Launch>
-void launch_gemv(Format fmt, const GemvArgs& args, int num_sms, Scratch&& scratch, Launch&& launch)
+// The GEMV's kernel and launch: when the plan splits K, calls partials(bytes) for the split-K partial sums (any
+// content: each block writes its own before the last one reads them) and counters(tiles) for the arrival counters
+// (zero at the launch; the kernel leaves them zero: fp_gemv_workspace.h), then launch(kernel, grid, block,
+// shared_bytes, args, plan) once; nothing without rows. Shapes the kernel's int indices cannot hold (k, n >= 2^31) and
+// m > kGemvMaxRows raise.
+template <class Partials, class Counters, class Launch>
+void launch_gemv(Format fmt, const GemvArgs& args, int num_sms, Partials&& partials, Counters&& counters,
+                 Launch&& launch)
 {
     dispatch_format(fmt, [&](auto f) {
         dispatch_dtype(args.w.weight_dtype, [&](auto tag) {
@@ -1331,8 +1334,8 @@ void launch_gemv(Format fmt, const GemvArgs& args, int num_sms, Scratch&& scratc
             const GemvPlan p = gemv_plan<F, T>(args, num_sms, piece);
             GemvArgs a = args;
             if (p.splits > 1) {
-                a.workspace = static_cast<float*>(scratch(int64_t(p.splits) * p.m * p.n * 4, false));
-                a.counters = static_cast<int*>(scratch(int64_t(p.tiles) * 4, true));
+                a.workspace = static_cast<float*>(partials(int64_t(p.splits) * p.m * p.n * 4));
+                a.counters = counters(int64_t(p.tiles));
             }
             const dim3 grid(unsigned(p.tiles), unsigned(p.splits)), block(kGemvThreads);
             auto go = [&](auto rows, auto layout, auto aligned) {

@@ -155,16 +155,25 @@ struct GemvArgs {
     const void* x = nullptr;     // (m, k) of w.weight_dtype, contiguous
     const void* bias = nullptr;  // optional (n,) of w.weight_dtype
     void* y = nullptr;           // (m, n) of w.weight_dtype
-    float* workspace = nullptr;  // split-K partial sums (splits, m, n), set by the launcher from GemvScratch
-    int* counters = nullptr;     // split-K arrival counters, one per 64-row tile, zero at the launch
+    float* workspace = nullptr;  // split-K partial sums (splits, m, n), set by the launcher from GemvPartials
+    int* counters = nullptr;     // split-K arrival counters, one per 64-row tile, zero at the launch (the launcher's
+                                 // per-(device, stream) workspace, fp_gemv_workspace.h)
 };
-// The GEMV's scratch allocator (the caller's, e.g. torch's caching allocator on the launch stream): `bytes` of device
-// memory, zero-filled when `zeroed`, valid until the launch has run (stream order).
-using GemvScratch = std::function<void*(int64_t bytes, bool zeroed)>;
+// The GEMV's allocator of split-K partial sums (the caller's, e.g. torch's caching allocator on the launch stream):
+// `bytes` of device memory, any content, valid until the launch has run (stream order).
+using GemvPartials = std::function<void*(int64_t bytes)>;
+// The split-K counters' workspace of (device, stream) as the launcher holds it: buffers created on the device so far
+// (every stream), the counters of the stream's buffer (0: none yet) and its address.
+struct GemvWorkspaceInfo {
+    int64_t created = 0;
+    int64_t capacity = 0;
+    uintptr_t counters = 0;
+};
 
 // CUDA launchers (fp_quantize_cuda.cu); `stream` is a cudaStream_t.
 void quantize_cuda(Format fmt, const QuantizeArgs& args, void* stream);
 void dequantize_cuda(Format fmt, const DequantizeArgs& args, void* stream);
-void linear_cuda(Format fmt, const GemvArgs& args, void* stream, const GemvScratch& scratch);
+void linear_cuda(Format fmt, const GemvArgs& args, void* stream, const GemvPartials& partials);
+GemvWorkspaceInfo gemv_workspace_info(int device, void* stream);
 
 }  // namespace fpq

@@ -21,9 +21,9 @@ def _emulated_ops_session():
 @pytest.fixture
 def emulated_ops(_emulated_ops_session):
     """{arch: EmulatedCudaOp} for EMULATED_ARCHS (g++ with ASan and UBSan, built once per source hash), each
-    with default buffer placement, grid cap and SM count (the GEMV's plan) for the test."""
+    with default buffer placement, grid cap, SM count (the GEMV's plan) and stream for the test."""
     for op in _emulated_ops_session.values():
-        op.misalign, op.max_blocks, op.num_sms = {}, 1 << 20, 132
+        op.misalign, op.max_blocks, op.num_sms, op.stream = {}, 1 << 20, 132, 0
     return _emulated_ops_session
 
 

@@ -76,6 +76,8 @@ MUTANTS = {
         "        if (!(f & 0x7f80u)) { f &= 0xffff8000u; }\n        memcpy(&x, &f, 4);"),
     "GEMV split-K's last block adds one split short": (
         GEMV, "for (int s = 1; s < p.splits; ++s)", "for (int s = 1; s < p.splits - 1; ++s)"),
+    "GEMV split-K's last block leaves its counter set (issue 42: the next launch would count from it)": (
+        GEMV, "if (tid == 0) { a.counters[blockIdx.x] = 0; }", "(void)0;"),
     "E8M0 ceil exponent not capped at 127 - emax_elem (SPEC 3.2)": (
         CODEC, "e = e > kCap ? kCap : e;", "(void)kCap;"),
 }

@@ -116,6 +116,33 @@ def test_gemv_split_k_and_tiles(sm90):
     assert y.shape == (0, 130) and sm90.last_launch is None
 
 
+def test_gemv_split_k_counters_created_once_per_stream(sm90):
+    """Issue 42: no memset per call. The split-K counters live in the launcher's workspace per device and stream
+    (fp_gemv_workspace.h), zero-filled when created and reused by every later launch on that stream: the last block of
+    each tile leaves its counter at 0 (the emulation fails a launch after which one is not, and runs each request's
+    launch twice on the same buffer, the second trusting the first's reset)."""
+    qt = fpq.quantize(weight(130, 4096, 5), "e2m1", 32)
+    x = torch.randn(3, 4096).to(torch.bfloat16)
+    sm90.stream = 1001
+    check(sm90, x, qt, torch.randn(130))
+    first = sm90.last_workspace
+    assert sm90.last_launch.grid_y > 1 and first.capacity >= sm90.last_launch.grid_x and first.counters != 0
+    for m, dtype in [(1, torch.float16), (16, torch.bfloat16), (9, torch.float32)]:  # other kernels, same stream
+        check(sm90, torch.randn(m, 4096).to(dtype), qt)
+        assert sm90.last_launch.grid_y > 1 and sm90.last_workspace == first
+    check(sm90, x[:, :2048], fpq.quantize(weight(70, 2048, 6), "e4m3", 128))  # another layer
+    assert sm90.last_launch.grid_y > 1 and sm90.last_workspace == first
+    sm90.stream = 1002  # another stream: a buffer of its own, created once too
+    check(sm90, x, qt)
+    other = sm90.last_workspace
+    assert other.created == first.created + 1 and other.counters not in (0, first.counters)
+    check(sm90, x, qt)
+    assert sm90.last_workspace == other
+    sm90.stream = 1001
+    check(sm90, x, qt)
+    assert sm90.last_workspace.counters == first.counters and sm90.last_workspace.created == other.created
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "e2m3"])
 def test_gemv_every_m(sm90, fmt):
     """M = 1..16 (instantiations for 8 and 16 rows: B columns past M repeat a row of x and are not written), whole

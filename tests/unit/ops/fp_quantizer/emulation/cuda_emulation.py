@@ -49,11 +49,20 @@ ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
 #: The process aborts a request after 300 s itself (emulated_op.cpp); this also covers a stuck pipe.
 RESPONSE_TIMEOUT_S = 330
 _MAGIC = 0x31554D4551504655
-_REQUEST = struct.Struct("<Q8i4q2Q6q3q2ifi")
-_RESPONSE = struct.Struct("<Q5q3Q2q")
+_REQUEST = struct.Struct("<Q8i4q2Q6q3q2ifi2i")
+_RESPONSE = struct.Struct("<Q5q3Q2q2qQ")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fpq::DType
 _SCALE_MODES = {"": 0, "ceil": 1, "floor": 2}  # fpq::ScaleMode
 _SCALE_KINDS = {"fp32": 0, "e8m0": 1, "e4m3": 2}  # fpq::LinearScale
+
+
+@dataclass
+class WorkspaceInfo:
+    """The split-K counters' workspace after a linear call, as the launcher keeps it (fp_gemv_workspace.h)."""
+
+    created: int  # buffers created on the device so far, every stream
+    capacity: int  # counters of the call's stream's buffer (0: none yet)
+    counters: int  # its address
 
 
 class EmulationFault(AssertionError):
@@ -130,7 +139,9 @@ class EmulatedCudaOp:
     Attributes set by tests: ``misalign`` (bytes each buffer's start is moved off its 256-byte aligned
     allocation: keys ``x``, ``given``, ``codes``, ``scales``, ``out``), ``max_blocks`` (grid cap; the
     kernels' grid-stride loops take the rest), ``num_sms`` (the SM count the GEMV's plan fills: fewer tiles than
-    it asks for split K). ``last_launch`` describes the last call's launch.
+    it asks for split K), ``stream`` (the stream id linear launches on: the split-K counters are per device and
+    stream). ``last_launch`` describes the last call's launch, ``last_workspace`` the split-K counters' workspace after
+    the last linear call (one process: it lives as long as the process, like the CUDA op's in a torch process).
     """
 
     def __init__(self, arch: Optional[int], headers: Optional[Dict[str, str]] = None):
@@ -139,6 +150,8 @@ class EmulatedCudaOp:
         self.misalign: Dict[str, int] = {}
         self.max_blocks = 1 << 20
         self.num_sms = 132  # the GEMV's plan: the SM count it fills (an H100 / H200 SXM)
+        self.stream = 0
+        self.last_workspace: Optional[WorkspaceInfo] = None
         self.last_launch: Optional[LaunchInfo] = None
         self.last_fp8_conversions = 0  # values the last call put through the emulated sm_89+ fp8 conversion
         self.calls = 0
@@ -189,20 +202,22 @@ class EmulatedCudaOp:
             raise self._fault(what) from None
         if any(len(o) != n for o, n in zip(outs, out_sizes)):
             raise self._fault(what)
-        magic, launched, grid_x, block_x, team_log2, total, threads, _, conversions, grid_y, shared = _RESPONSE.unpack(raw)
+        (magic, launched, grid_x, block_x, team_log2, total, threads, _, conversions, grid_y, shared, ws_created,
+         ws_capacity, ws_counters) = _RESPONSE.unpack(raw)
         assert magic == _MAGIC
         self.calls += 1
         self.last_launch = LaunchInfo(grid_x, block_x, team_log2, total, threads, grid_y, shared) if launched else None
         self.last_fp8_conversions = conversions
+        self.last_workspace = WorkspaceInfo(ws_created, ws_capacity, ws_counters)
         return outs
 
     def _request(self, op, f, dtype, rows, k, group_size, scale_mode=0, stochastic=False, has_given=False,
                  seed=0, offset=0, misalign=(), m=0, block_rows=1, scale_cols=0, scale_kind=0, has_bias=False,
-                 tensor_scale=1.0, num_sms=0) -> bytes:
+                 tensor_scale=1.0, num_sms=0, stream=0) -> bytes:
         misalign = (*misalign, *(0,) * (6 - len(misalign)))
         return _REQUEST.pack(_MAGIC, op, f.ebits, f.mbits, _DTYPES[dtype], scale_mode, int(stochastic),
                              int(has_given), 0, rows, k, group_size, self.max_blocks, seed, offset, *misalign,
-                             m, block_rows, scale_cols, scale_kind, int(has_bias), tensor_scale, num_sms)
+                             m, block_rows, scale_cols, scale_kind, int(has_bias), tensor_scale, num_sms, stream, 0)
 
     # ---- the op interface ----
     def quantize(self, x, fmt, group_size, given_scales, stochastic, seed, offset, e8m0):
@@ -249,7 +264,7 @@ class EmulatedCudaOp:
                                misalign=(mis.get("x", 0), mis.get("codes", 0), mis.get("scales", 0),
                                          mis.get("bias", 0), mis.get("y", 0)),
                                m=m, block_rows=block_rows, scale_cols=scales.shape[1], scale_kind=kind,
-                               tensor_scale=tensor_scale, num_sms=self.num_sms)
+                               tensor_scale=tensor_scale, num_sms=self.num_sms, stream=self.stream)
         inputs = [_raw(x), _raw(codes), _raw(scales)] + ([_raw(bias.to(x.dtype))] if bias is not None else [])
         size = m * n * x.element_size()
         (y,) = self._call(header, inputs, [size], f"linear {fmt} G={group_size} m={m}")

@@ -17,6 +17,7 @@
 
 #include "cuda_emulation.h"
 #include "fp_gemv_kernels.cuh"
+#include "fp_gemv_workspace.h"
 #include "fp_quantize_kernels.cuh"
 
 #include <sanitizer/asan_interface.h>
@@ -51,6 +52,8 @@ struct Request {
     int32_t has_bias;
     float tensor_scale;
     int32_t num_sms;  // linear: the SM count the GEMV's plan fills
+    int32_t stream;   // linear: the stream the launch is on (the split-K counters are per device and stream)
+    int32_t pad2;
 };
 
 struct Response {
@@ -60,7 +63,25 @@ struct Response {
     uint64_t threads, switches;
     uint64_t fp8_conversions;  // values through the emulated sm_89+ fp8 conversion, both runs
     int64_t grid_y, shared_bytes;  // linear: the splits of K and the dynamic shared memory per block
+    // linear: the split-K counters' workspace after the call (GemvCounterPool::Info of device 0 and the stream)
+    int64_t workspace_created, workspace_capacity;
+    uint64_t workspace_counters;
 };
+
+// The split-K counters as fp_quantize_cuda.cu keeps them (one pool for the process, buffers never freed), on the heap:
+// each buffer its own allocation (ASan's redzones), zero-filled once.
+fpq::GemvCounterPool& counter_pool()
+{
+    static fpq::GemvCounterPool pool;
+    return pool;
+}
+
+void* zeroed_heap_memory(int64_t bytes)
+{
+    static std::vector<std::unique_ptr<uint8_t[]>> kept;
+    kept.push_back(std::make_unique<uint8_t[]>(size_t(bytes)));  // value-initialized: zero
+    return kept.back().get();
+}
 
 // One buffer: a heap allocation of misalign + size bytes, the first misalign bytes poisoned.
 struct Buffer {
@@ -162,7 +183,7 @@ void serve(const Request& req)
     if (rows < 0 || k < 0 || g < 1) { fpq_emu::fail("bad geometry rows=%lld k=%lld G=%lld", (long long)rows, (long long)k, (long long)g); }
     const size_t n_scales = size_t(rows * (k == 0 ? 0 : fpq::ceil_div(k, g)));
     const size_t code_bytes = size_t(rows * fpq::row_bytes(k, g, bits));
-    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    Response resp{kMagic, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     fpq_emu::fp8_conversions() = 0;
     alarm(kTimeoutSeconds);
 
@@ -239,15 +260,20 @@ void serve(const Request& req)
             a.w.weight_dtype = dtype, a.w.m = m, a.w.n = n, a.w.k = k, a.w.group_size = g;
             a.w.row_bytes = fpq::row_bytes(k, g, bits);
             a.x = x.data, a.bias = req.has_bias ? bias.data : nullptr, a.y = outs[pass]->data;
-            // the launcher's scratch (split-K partial sums, counters): each its own allocation, fresh per run;
-            // partial sums pre-filled with 0xFF (NaN) so that a read of a partial no block wrote shows
-            std::vector<std::unique_ptr<Buffer>> scratch;
-            auto alloc = [&](int64_t bytes, bool zeroed) -> void* {
-                scratch.push_back(std::make_unique<Buffer>(size_t(bytes), 0));
-                std::memset(scratch.back()->data, zeroed ? 0x00 : 0xff, size_t(bytes));
-                return scratch.back()->data;
+            // the split-K partial sums: their own allocation, fresh per run, pre-filled with 0xFF (NaN) so that a
+            // read of a partial no block wrote shows; the counters: the pool's buffer of this stream, created once
+            // and reused by every later launch on it (this request's second run included)
+            std::unique_ptr<Buffer> partials;
+            auto alloc = [&](int64_t bytes) -> void* {
+                partials = std::make_unique<Buffer>(size_t(bytes), 0);
+                std::memset(partials->data, 0xff, size_t(bytes));
+                return partials->data;
             };
-            fpq::cuda_kernels::launch_gemv(fmt, a, req.num_sms, alloc,
+            const void* stream = reinterpret_cast<const void*>(uintptr_t(req.stream));
+            auto counters = [&](int64_t tiles) {
+                return counter_pool().acquire(0, stream, tiles, zeroed_heap_memory);
+            };
+            fpq::cuda_kernels::launch_gemv(fmt, a, req.num_sms, alloc, counters,
                                            [&](auto kernel, dim3 grid, dim3 block, int shared_bytes,
                                                const fpq::GemvArgs& args, const fpq::cuda_kernels::GemvPlan& plan) {
                 const auto stats = fpq_emu::launch(grid, block, [&] { kernel(args, plan); }, pass == 1,
@@ -262,6 +288,9 @@ void serve(const Request& req)
                 }
             });
         }
+        const auto info = counter_pool().info(0, reinterpret_cast<const void*>(uintptr_t(req.stream)));
+        resp.workspace_created = info.created, resp.workspace_capacity = info.capacity;
+        resp.workspace_counters = uint64_t(reinterpret_cast<uintptr_t>(info.counters));
         compare_runs(*outs[0], *outs[1], "y");
         check_unchanged(x, x_before, "x");
         check_unchanged(codes, codes_before, "codes");
