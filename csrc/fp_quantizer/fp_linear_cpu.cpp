@@ -7,6 +7,9 @@
 //    multiple of 16): the register-blocked kernel (fp_linear_small_m_cpu.cpp).
 //  * "avx2_gemv" (AVX2 + FMA builds, AVX-512 ones included; m <= kGemvMaxM, e4m3 / e5m2 in groups of a multiple
 //    of 16, e2m1 in groups of 16 or a multiple of 32): weight rows streamed (fp_linear_gemv_avx2_cpu.cpp).
+//  * "amx_gemm" / "avx512_gemm" (AVX-512 BF16 + VBMI builds; AMX where the CPU has it and Linux grants the tile data):
+//    the rest where the codes are bf16 values and the groups even (bf16 x; fp32 x on AMX, groups of a multiple of 32
+//    for AMX): decode-once bf16 panels (fp_linear_gemm_avx512_cpu.cpp).
 //  * "avx2_gemm" (AVX2 + FMA builds, everything else, any m): decode-once panels (fp_linear_gemm_avx2_cpu.cpp).
 //  * "portable" (builds without AVX2 + FMA, such as non-x86 ones): here, OpenMP over weight rows. Each row is decoded
 //    once into an fp32 buffer (decode(q) exactly, the shared codec), and every row of x takes its group partial
@@ -107,6 +110,10 @@ CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args)
 #endif
 #if defined(FPQ_AVX2_FMA)
     if (cpu_kernels::linear_gemv_avx2_applies(fmt, args)) { return CpuLinearKernel::kAvx2Gemv; }
+#if defined(FPQ_DIRECT_BF16)
+    const CpuLinearKernel gemm = cpu_kernels::linear_gemm_avx512_kernel(fmt, args);
+    if (gemm != CpuLinearKernel::kPortable) { return gemm; }
+#endif
     return CpuLinearKernel::kAvx2Gemm;
 #else
     (void)fmt;
@@ -121,6 +128,8 @@ const char* linear_cpu_kernel_name(CpuLinearKernel kernel)
         case CpuLinearKernel::kAvx512Register: return "avx512_register";
         case CpuLinearKernel::kAvx2Gemv: return "avx2_gemv";
         case CpuLinearKernel::kAvx2Gemm: return "avx2_gemm";
+        case CpuLinearKernel::kAvx512Gemm: return "avx512_gemm";
+        case CpuLinearKernel::kAmxGemm: return "amx_gemm";
         case CpuLinearKernel::kPortable: break;
     }
     return "portable";
@@ -134,6 +143,12 @@ void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16)
 #endif
 #if defined(FPQ_AVX2_FMA)
     if (kernel == CpuLinearKernel::kAvx2Gemv && cpu_kernels::linear_gemv_avx2(fmt, args, x_bf16)) { return; }
+#if defined(FPQ_DIRECT_BF16)
+    if (kernel == CpuLinearKernel::kAvx512Gemm || kernel == CpuLinearKernel::kAmxGemm) {
+        cpu_kernels::linear_gemm_avx512(fmt, args, x_bf16, kernel);
+        return;
+    }
+#endif
     if (kernel != CpuLinearKernel::kPortable) {
         cpu_kernels::linear_gemm_avx2(fmt, args, x_bf16);
         return;

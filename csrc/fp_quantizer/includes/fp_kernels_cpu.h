@@ -34,6 +34,12 @@
 #define FPQ_DIRECT_BF16 1
 #endif
 
+// amx: + AMX-BF16 (tdpbf16ps) on Linux, the AMX path of the AVX-512 GEMM (fp_linear_gemm_avx512_cpu.cpp), which
+// runs where Linux grants the tile data (amx_usable()).
+#if defined(FPQ_DIRECT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define FPQ_AMX 1
+#endif
+
 // avx2_fma: AVX2 + FMA, the AVX2 linear (exact decoders fp_avx2_decode_cpu.h; the GEMV
 // fp_linear_gemv_avx2_cpu.cpp and the GEMM fp_linear_gemm_avx2_cpu.cpp). Every x86-64-v3 build has it, the
 // AVX-512 builds too.
@@ -56,6 +62,15 @@ bool linear_small_m_applies(Format fmt, const LinearArgs& args);  // whether lin
 // rows of x up to which linear_cpu runs the register-blocked kernel (the crossover measured in earlier sessions on
 // AVX-512 BF16 machines); more rows take the AVX2 GEMM
 constexpr int64_t kAvx512MaxM = 32;
+
+// The AVX-512 BF16 / AMX GEMM (fp_linear_gemm_avx512_cpu.cpp), SPEC 8's y for any m (x rows as for linear_small_m):
+// decode-once bf16 panels of 64 weight rows, x packed in VNNI pairs; vdpbf16ps ("avx512_gemm": bf16 x, codes that are
+// bf16 values, groups of an even size) or tdpbf16ps ("amx_gemm": also fp32 x, split exactly into three bf16 parts;
+// groups of a multiple of 32; FPQ_AMX builds where Linux grants the tile data). linear_gemm_avx512_kernel: which of
+// the two runs these arguments (x bf16 when args.weight_dtype is bf16), kPortable where neither applies.
+bool amx_usable();
+CpuLinearKernel linear_gemm_avx512_kernel(Format fmt, const LinearArgs& args);
+void linear_gemm_avx512(Format fmt, const LinearArgs& args, bool x_bf16, CpuLinearKernel kernel);
 #endif
 
 #if defined(FPQ_AVX2_FMA)
