@@ -81,7 +81,7 @@ CpuLinearKernel gemm_kernel(const LinearArgs& a, bool x_bf16, bool amx)
         return CpuLinearKernel::kPortable;
     } else {
         if (a.group_size % 2 != 0 || !codes_exact_in_bf16<F>()) { return CpuLinearKernel::kPortable; }
-        if (amx && a.group_size % kAmxK == 0) { return CpuLinearKernel::kAmxGemm; }
+        if (amx && a.group_size % 16 == 0) { return CpuLinearKernel::kAmxGemm; }
         return x_bf16 ? CpuLinearKernel::kAvx512Gemm : CpuLinearKernel::kPortable;
     }
 }
@@ -244,8 +244,11 @@ struct Panel {
     void build(const LinearArgs& a, int64_t n0, int64_t c0, int64_t c1)
     {
         const int64_t rows_here = std::min(kTileN, a.n - n0);
+        // the next chunk's code bytes of each row (64 short streams: more than the hardware prefetchers follow)
+        const int64_t next0 = c1 * F::kBits / 8, next1 = std::min(a.row_bytes, std::min(a.k, c1 + kChunk) * F::kBits / 8);
         for (int64_t r = 0; r < kTileN; ++r) {
             const uint8_t* row = a.codes + (n0 + std::min(r, rows_here - 1)) * a.row_bytes;
+            for (int64_t byte = next0; byte < next1; byte += 64) { _mm_prefetch(reinterpret_cast<const char*>(row + byte), _MM_HINT_T0); }
             uint16_t* out = words.data + r * kChunk;
             if (decode_row(a, row, c0, c1, out) && r < rows_here) { special |= uint64_t(1) << r; }
         }
@@ -296,22 +299,26 @@ struct Panel {
     }
 };
 
-// The tile's per-thread state: group scales S[r][g] of its 64 rows, totals T[r][v] and carried partial sums
-// C[r][v] (v: virtual rows of x, stride vs).
+// The tile's per-thread state for one work item (virtual rows v_base .. v_base + rows of x): group scales S[r][g] of its
+// 64 rows, totals T[r][v - v_base] and carried partial sums C[r][v - v_base]. The row stride vs is the item's rows
+// plus 16 floats: a stride of a multiple of 4 KiB would put the 64 rows in the same L1 sets.
 struct TileState {
-    int64_t vs;
+    int64_t vs, v_base = 0;
     Aligned<float> scales, totals, carry;
-    TileState(const LinearArgs& a, int64_t virtual_rows)
-        : vs(ceil_div(virtual_rows, 64) * 64), scales(kTileN * a.scale_cols), totals(kTileN * vs), carry(kTileN * vs)
+    TileState(const LinearArgs& a, int64_t item_rows)
+        : vs(item_rows + 16), scales(kTileN * a.scale_cols), totals(kTileN * vs), carry(kTileN * vs)
     {
     }
     void start(const LinearArgs& a, int64_t n0, int64_t v0, int64_t v1)
     {
+        v_base = v0;
         for (int64_t r = 0; r < kTileN; ++r) {
             decode_row_scales(a, std::min(a.n - 1, n0 + r), scales.data + r * a.scale_cols);
-            std::fill(totals.data + r * vs + v0, totals.data + r * vs + v1, 0.0f);
+            std::fill(totals.data + r * vs, totals.data + r * vs + (v1 - v0), 0.0f);
         }
     }
+    float* total(int64_t r, int64_t v) { return totals.data + r * vs + (v - v_base); }
+    float* carried(int64_t r, int64_t v) { return carry.data + r * vs + (v - v_base); }
 };
 
 // --- the vdpbf16ps kernel ----------------------------------------------------------------------------------
@@ -347,7 +354,7 @@ void dot_chunk(const LinearArgs& a, const uint32_t* panel, const PackedX& xs, Ti
             __m512 acc[kDotRows][kMV];
             for (int r = 0; r < kDotRows; ++r) {
                 for (int v = 0; v < kMV; ++v) {
-                    acc[r][v] = carried ? _mm512_load_ps(st.carry.data + (r0 + r) * st.vs + v0 + 16 * v)
+                    acc[r][v] = carried ? _mm512_load_ps(st.carried(r0 + r, v0 + 16 * v))
                                         : _mm512_setzero_ps();
                 }
             }
@@ -359,11 +366,11 @@ void dot_chunk(const LinearArgs& a, const uint32_t* panel, const PackedX& xs, Ti
                 if (end == group_end) {  // the group's partial sum times its scale, once
                     const __m512 s = _mm512_set1_ps(st.scales.data[row * a.scale_cols + g]);
                     for (int v = 0; v < kMV; ++v) {
-                        float* t = st.totals.data + row * st.vs + v0 + 16 * v;
+                        float* t = st.total(row, v0 + 16 * v);
                         _mm512_store_ps(t, _mm512_fmadd_ps(acc[r][v], s, _mm512_load_ps(t)));
                     }
                 } else {
-                    for (int v = 0; v < kMV; ++v) { _mm512_store_ps(st.carry.data + row * st.vs + v0 + 16 * v, acc[r][v]); }
+                    for (int v = 0; v < kMV; ++v) { _mm512_store_ps(st.carried(row, v0 + 16 * v), acc[r][v]); }
                 }
             }
         }
@@ -388,22 +395,24 @@ void dot_tile_chunk(const LinearArgs& a, const uint32_t* panel, const PackedX& x
 // The tile configuration (palette 1): every tile 16 rows of 64 bytes. tmm0..3: C (weight rows 16i .. 16i+15 of the
 // pair x rows of x 16j .. 16j+15: tmm(2i + j)), tmm4, 5: A (32 panel words of 16 weight rows), tmm6, 7: B (16 pairs
 // of 16 rows of x).
+// Groups of an odd multiple of 16 (NVFP4's 16, 48, ...) take tiles of K = 16: A 16 rows of 32 bytes, B 8 rows.
 struct alignas(64) TileConfig {
     uint8_t palette_id = 1;
     uint8_t start_row = 0;
     uint8_t reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
-    TileConfig()
+    explicit TileConfig(int64_t tile_k)
     {
         for (int t = 0; t < 8; ++t) {
-            colsb[t] = 64;
-            rows[t] = 16;
+            colsb[t] = t == 4 || t == 5 ? uint16_t(tile_k * 2) : 64;
+            rows[t] = t >= 6 ? uint8_t(tile_k / 2) : 16;
         }
     }
 };
 
-// Columns c0 .. c1-1 (whole tiles of kAmxK; the groups are multiples of it) of the tile for blocks b0, b0+1 of x.
+// Columns c0 .. c1-1 (whole tiles of kTileK; the groups are multiples of it) of the tile for blocks b0, b0+1 of x.
+template <int64_t kTileK>
 void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, TileState& st, int64_t b0, int64_t c0,
                int64_t c1)
 {
@@ -418,7 +427,7 @@ void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, Ti
         for (int64_t g = c0 / g_size; g * g_size < c1; ++g) {
             const int64_t start = std::max(c0, g * g_size), group_end = std::min(a.k, (g + 1) * g_size);
             const int64_t end = std::min(c1, group_end);
-            float* carry = st.carry.data + r0 * st.vs + v0;
+            float* carry = st.carried(r0, v0);
             const int64_t carry_stride = st.vs * int64_t(sizeof(float));
             if (start > g * g_size) {
                 _tile_loadd(0, carry, carry_stride);
@@ -431,7 +440,7 @@ void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, Ti
                 _tile_zero(2);
                 _tile_zero(3);
             }
-            for (int64_t c = start; c < end; c += kAmxK) {
+            for (int64_t c = start; c < end; c += kTileK) {
                 _tile_loadd(4, A0 + (c - c0), kChunk * 2);
                 _tile_loadd(5, A1 + (c - c0), kChunk * 2);
                 _tile_loadd(6, X0 + c / 2 * 16, 64);
@@ -456,7 +465,7 @@ void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, Ti
                 for (int row = 0; row < 16; ++row) {
                     const int64_t n = r0 + 16 * i + row;
                     const __m512 s = _mm512_set1_ps(st.scales.data[n * a.scale_cols + g]);
-                    float* t = st.totals.data + n * st.vs + v0;
+                    float* t = st.total(n, v0);
                     _mm512_store_ps(t, _mm512_fmadd_ps(_mm512_load_ps(c_tile[2 * i] + row * 16), s, _mm512_load_ps(t)));
                     _mm512_store_ps(t + 16,
                                     _mm512_fmadd_ps(_mm512_load_ps(c_tile[2 * i + 1] + row * 16), s, _mm512_load_ps(t + 16)));
@@ -469,31 +478,42 @@ void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, Ti
 
 // --- the driver --------------------------------------------------------------------------------------------
 
-template <class F>
-void gemm(Format fmt, const LinearArgs& a, bool x_bf16, bool amx)
+// The rows of x one work item takes, in packed blocks: an x block of about kXBlockBytes stays in L2 while the item walks
+// its weight tiles (the panels are decoded once per item: more rows per item, fewer decodes); a multiple of `step`
+// (and of 3 for split fp32 x, so that a row's parts meet); fewer where there are fewer tiles than threads.
+constexpr int64_t kXBlockBytes = int64_t(1) << 20;
+
+int64_t blocks_per_item(const PackedX& xs, int64_t tiles, int64_t threads, int64_t step)
 {
+    const int64_t unit = xs.parts > 1 ? 3 * step : step;
+    const int64_t block_bytes = xs.pairs * kBlockM * 4;
+    int64_t per = std::max(unit, kXBlockBytes / block_bytes / unit * unit);
+    const int64_t items_wanted = ceil_div(threads, tiles);
+    if (items_wanted > 1) { per = std::min(per, std::max(unit, ceil_div(ceil_div(xs.blocks, items_wanted), unit) * unit)); }
+    return std::min(per, ceil_div(xs.blocks, unit) * unit);
+}
+
+template <class F>
+void gemm(Format fmt, const LinearArgs& a, bool x_bf16, int64_t tile_k)
+{
+    const bool amx = tile_k > 0;
     const PackedX xs = PackedX::make<F>(a, x_bf16, amx ? 2 : 1);
     const int64_t tiles = ceil_div(a.n, kTileN);
-    const int64_t step = amx ? 2 : kDotVecs;  // packed blocks per kernel call
-    const int64_t units = ceil_div(xs.blocks, step);
 #pragma omp parallel
     {
         const ScopedIeeeDenormals ieee;
-        const int64_t threads = omp_get_num_threads();
-        // fewer tiles than threads: each tile's rows of x split into parts (bf16 x: a row's parts of fp32 x must meet)
-        const int64_t parts =
-            std::min(units, tiles >= threads || xs.parts > 1 ? int64_t(1) : ceil_div(threads, tiles));
+        const int64_t per = blocks_per_item(xs, tiles, omp_get_num_threads(), amx ? 2 : kDotVecs);
+        const int64_t items = ceil_div(xs.blocks, per) * tiles;
         Panel<F> panel(a);
-        TileState st(a, xs.blocks * kBlockM);
+        TileState st(a, per * kBlockM);
 #if defined(FPQ_AMX)
-        const TileConfig config;
+        const TileConfig config(tile_k);
         if (amx) { _tile_loadconfig(&config); }
 #endif
+        // items in row-block-major order: each thread's contiguous share keeps its x blocks while the tiles pass
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < tiles * parts; ++item) {
-            const int64_t tile = item / parts, part = item % parts;
-            const int64_t b0 = units * part / parts * step, b1 = std::min(xs.blocks, units * (part + 1) / parts * step);
-            if (b0 >= b1) { continue; }
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t tile = item % tiles, b0 = item / tiles * per, b1 = std::min(xs.blocks, b0 + per);
             const int64_t n0 = tile * kTileN, v0 = b0 * kBlockM, v1 = b1 * kBlockM;
             panel.special = 0;
             st.start(a, n0, v0, v1);
@@ -502,7 +522,13 @@ void gemm(Format fmt, const LinearArgs& a, bool x_bf16, bool amx)
                 panel.build(a, n0, c0, c1);
 #if defined(FPQ_AMX)
                 if (amx) {
-                    for (int64_t b = b0; b < b1; b += 2) { amx_chunk(a, panel.words.data, xs, st, b, c0, c1); }
+                    for (int64_t b = b0; b < b1; b += 2) {
+                        if (tile_k == 32) {
+                            amx_chunk<32>(a, panel.words.data, xs, st, b, c0, c1);
+                        } else {
+                            amx_chunk<16>(a, panel.words.data, xs, st, b, c0, c1);
+                        }
+                    }
                     continue;
                 }
 #endif
@@ -513,7 +539,7 @@ void gemm(Format fmt, const LinearArgs& a, bool x_bf16, bool amx)
             const int64_t m0 = v0 / xs.parts, m1 = std::min(a.m, ceil_div(v1, xs.parts));
             for (int64_t m = m0; m < m1; ++m) {
                 for (int64_t r = 0; r < rows_here; ++r) {
-                    const float* t = st.totals.data + r * st.vs + m * xs.parts;
+                    const float* t = st.total(r, m * xs.parts);
                     float y = t[0];
                     for (int64_t p = 1; p < xs.parts; ++p) { y = add_rn(y, t[p]); }
                     a.y[m * a.n + n0 + r] = y;
@@ -571,7 +597,8 @@ CpuLinearKernel linear_gemm_avx512_kernel(Format fmt, const LinearArgs& args)
 
 void linear_gemm_avx512(Format fmt, const LinearArgs& args, bool x_bf16, CpuLinearKernel kernel)
 {
-    dispatch_format(fmt, [&](auto f) { gemm<decltype(f)>(fmt, args, x_bf16, kernel == CpuLinearKernel::kAmxGemm); });
+    const int64_t tile_k = kernel != CpuLinearKernel::kAmxGemm ? 0 : args.group_size % 32 == 0 ? 32 : 16;
+    dispatch_format(fmt, [&](auto f) { gemm<decltype(f)>(fmt, args, x_bf16, tile_k); });
 }
 
 }  // namespace cpu_kernels
