@@ -98,6 +98,9 @@ std::vector<std::string> linear_cpu_paths()
 #if defined(FPQ_AVX2_FMA)
     paths.emplace_back("avx2_fma");
 #endif
+#if defined(FPQ_DIRECT_BF16)
+    if (cpu_kernels::amx_usable()) { paths.emplace_back("amx"); }  // tdpbf16ps: the CPU, Linux and $DS_FPQUANT_CPU_AMX
+#endif
     return paths;
 }
 

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -48,6 +49,17 @@ constexpr int64_t kBlockM = 16;   // rows of x per packed block: one zmm of lane
 constexpr int64_t kDotRows = 4;   // weight rows of the vdpbf16ps kernel
 constexpr int64_t kDotVecs = 4;   // zmm of rows of x of the vdpbf16ps kernel (64 rows)
 constexpr int64_t kAmxK = 32;     // columns per tdpbf16ps
+
+// Test-only builds (-DFPQ_TEST_MUTANTS, tests/unit/linear/test_cpu_gemm_avx512.py) break one thing on purpose, chosen
+// per call by $FPQ_GEMM_MUTANT: 1 the group scale dropped, 2 the next group's scale, 3 a stale panel (decoded for the
+// first chunk only), 4 x's VNNI pairs swapped, 5 rows of x with subnormal parts not recomputed. The tests must catch
+// each.
+#if defined(FPQ_TEST_MUTANTS)
+int g_mutant = 0;
+#define FPQ_MUTANT(n) (g_mutant == (n))
+#else
+#define FPQ_MUTANT(n) false
+#endif
 
 // Whether every code's value is a bf16 value (NaN aside), from the codec; computed once per format.
 template <class F>
@@ -171,7 +183,10 @@ struct PackedX {
                     __m512i r[16];
                     for (int i = 0; i < 16; ++i) { r[i] = _mm512_loadu_si512(words.data + i * in_stride + 2 * kp0); }
                     transpose_16x16(r);
-                    for (int j = 0; j < 16; ++j) { _mm512_store_si512(xs.buffer.data + (b * xs.pairs + kp0 + j) * 16, r[j]); }
+                    for (int j = 0; j < 16; ++j) {
+                        if (FPQ_MUTANT(4)) { r[j] = _mm512_rol_epi32(r[j], 16); }
+                        _mm512_store_si512(xs.buffer.data + (b * xs.pairs + kp0 + j) * 16, r[j]);
+                    }
                 }
             }
         }
@@ -318,6 +333,12 @@ struct TileState {
         }
     }
     float* total(int64_t r, int64_t v) { return totals.data + r * vs + (v - v_base); }
+    float scale(const LinearArgs& a, int64_t r, int64_t g) const
+    {
+        if (FPQ_MUTANT(1)) { return 1.0f; }
+        if (FPQ_MUTANT(2)) { g = std::min(g + 1, a.scale_cols - 1); }
+        return scales.data[r * a.scale_cols + g];
+    }
     float* carried(int64_t r, int64_t v) { return carry.data + r * vs + (v - v_base); }
 };
 
@@ -364,7 +385,7 @@ void dot_chunk(const LinearArgs& a, const uint32_t* panel, const PackedX& xs, Ti
             for (int r = 0; r < kDotRows; ++r) {
                 const int64_t row = r0 + r;
                 if (end == group_end) {  // the group's partial sum times its scale, once
-                    const __m512 s = _mm512_set1_ps(st.scales.data[row * a.scale_cols + g]);
+                    const __m512 s = _mm512_set1_ps(st.scale(a, row, g));
                     for (int v = 0; v < kMV; ++v) {
                         float* t = st.total(row, v0 + 16 * v);
                         _mm512_store_ps(t, _mm512_fmadd_ps(acc[r][v], s, _mm512_load_ps(t)));
@@ -464,7 +485,7 @@ void amx_chunk(const LinearArgs& a, const uint16_t* panel, const PackedX& xs, Ti
             for (int i = 0; i < 2; ++i) {  // the group's partial sums times the weight row's scale, once
                 for (int row = 0; row < 16; ++row) {
                     const int64_t n = r0 + 16 * i + row;
-                    const __m512 s = _mm512_set1_ps(st.scales.data[n * a.scale_cols + g]);
+                    const __m512 s = _mm512_set1_ps(st.scale(a, n, g));
                     float* t = st.total(n, v0);
                     _mm512_store_ps(t, _mm512_fmadd_ps(_mm512_load_ps(c_tile[2 * i] + row * 16), s, _mm512_load_ps(t)));
                     _mm512_store_ps(t + 16,
@@ -497,6 +518,10 @@ template <class F>
 void gemm(Format fmt, const LinearArgs& a, bool x_bf16, int64_t tile_k)
 {
     const bool amx = tile_k > 0;
+#if defined(FPQ_TEST_MUTANTS)
+    const char* mutant = std::getenv("FPQ_GEMM_MUTANT");
+    g_mutant = mutant ? std::atoi(mutant) : 0;
+#endif
     const PackedX xs = PackedX::make<F>(a, x_bf16, amx ? 2 : 1);
     const int64_t tiles = ceil_div(a.n, kTileN);
 #pragma omp parallel
@@ -519,7 +544,7 @@ void gemm(Format fmt, const LinearArgs& a, bool x_bf16, int64_t tile_k)
             st.start(a, n0, v0, v1);
             for (int64_t c0 = 0; c0 < a.k; c0 += kChunk) {
                 const int64_t c1 = std::min(a.k, c0 + kChunk);
-                panel.build(a, n0, c0, c1);
+                if (!FPQ_MUTANT(3) || c0 == 0) { panel.build(a, n0, c0, c1); }
 #if defined(FPQ_AMX)
                 if (amx) {
                     for (int64_t b = b0; b < b1; b += 2) {
@@ -559,7 +584,7 @@ void gemm(Format fmt, const LinearArgs& a, bool x_bf16, int64_t tile_k)
     for (int64_t m = 0; m < a.m; ++m) {
         if (xs.recompute[size_t(m)]) { rows.push_back(m); }
     }
-    if (rows.empty()) { return; }
+    if (rows.empty() || FPQ_MUTANT(5)) { return; }
     const int64_t in_stride = ceil_div(a.k, kLinearPad) * kLinearPad, elem = x_bf16 ? 2 : 4;
     std::vector<uint8_t> x_rows(size_t(int64_t(rows.size()) * in_stride * elem));
     std::vector<float> y_rows(rows.size() * size_t(a.n));
@@ -582,8 +607,9 @@ void gemm(Format fmt, const LinearArgs& a, bool x_bf16, int64_t tile_k)
 bool amx_usable()
 {
 #if defined(FPQ_AMX)
-    static const bool usable = amx_permission().empty();
-    return usable;
+    static const bool granted = amx_permission().empty();
+    const char* setting = std::getenv("DS_FPQUANT_CPU_AMX");  // "0": the vdpbf16ps kernel instead (tests, comparisons)
+    return granted && !(setting && std::strcmp(setting, "0") == 0);
 #else
     return false;
 #endif
