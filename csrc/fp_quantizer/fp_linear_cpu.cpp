@@ -107,14 +107,18 @@ std::vector<std::string> linear_cpu_paths()
 CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args)
 {
 #if defined(FPQ_DIRECT_BF16)
-    if (args.m <= cpu_kernels::kAvx512MaxM && cpu_kernels::linear_small_m_applies(fmt, args)) {
+    // the AVX-512 BF16 / AMX GEMM where it applies, past the rows where the register-blocked kernel is faster
+    const CpuLinearKernel gemm = cpu_kernels::linear_gemm_avx512_kernel(fmt, args);
+    const int64_t small_m_max = gemm != CpuLinearKernel::kAmxGemm ? cpu_kernels::kAvx512MaxM
+                                : args.group_size % 32 == 0    ? cpu_kernels::kAmxSmallMaxM32
+                                                               : cpu_kernels::kAmxSmallMaxM16;
+    if (args.m <= small_m_max && cpu_kernels::linear_small_m_applies(fmt, args)) {
         return CpuLinearKernel::kAvx512Register;
     }
 #endif
 #if defined(FPQ_AVX2_FMA)
     if (cpu_kernels::linear_gemv_avx2_applies(fmt, args)) { return CpuLinearKernel::kAvx2Gemv; }
 #if defined(FPQ_DIRECT_BF16)
-    const CpuLinearKernel gemm = cpu_kernels::linear_gemm_avx512_kernel(fmt, args);
     if (gemm != CpuLinearKernel::kPortable) { return gemm; }
 #endif
     return CpuLinearKernel::kAvx2Gemm;

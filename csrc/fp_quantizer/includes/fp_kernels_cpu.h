@@ -70,6 +70,12 @@ constexpr int64_t kAvx512MaxM = 32;
 // the two runs these arguments (x bf16 when args.weight_dtype is bf16), kPortable where neither applies.
 bool amx_usable();
 CpuLinearKernel linear_gemm_avx512_kernel(Format fmt, const LinearArgs& args);
+// Rows of x up to which the register-blocked kernel stays ahead of the AMX GEMM (tiles of K = 32: groups of a multiple
+// of 32; K = 16: other multiples of 16), measured on a 2-core Sapphire Rapids (issue 44; 4096x4096, bf16 x, ms,
+// register kernel / amx_gemm): M=8 e4m3 g128 1.91 / 1.48, e2m1 g128 1.71 / 1.23, mxfp4 2.15 / 1.68, nvfp4 2.08 / 3.14;
+// M=16 nvfp4 3.78 / 2.72; M=6 e4m3 1.57 / ~1.5. The vdpbf16ps GEMM keeps kAvx512MaxM (M=32 / 33 e4m3: 7.37 / 8.13).
+constexpr int64_t kAmxSmallMaxM32 = 7;
+constexpr int64_t kAmxSmallMaxM16 = 12;
 void linear_gemm_avx512(Format fmt, const LinearArgs& args, bool x_bf16, CpuLinearKernel kernel);
 #endif
 

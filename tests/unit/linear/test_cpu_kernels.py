@@ -55,7 +55,9 @@ def _expected_kernel(paths, fmt, group_size, m, x_dtype=torch.float32):
     """The dispatch of fp_linear_cpu.cpp, written out: by the build's paths, M, the format's bits, the group and x's
     dtype (every format's codes are bf16 values, e4m7's 7 mantissa bits included)."""
     bits = fpq.get_format(fmt).bits
-    if "direct_bf16" in paths and m <= 32 and bits in (4, 6, 8) and group_size % 16 == 0:
+    amx = "direct_bf16" in paths and "amx" in paths and group_size % 16 == 0
+    small_m = (7 if group_size % 32 == 0 else 12) if amx else 32  # the crossovers of fp_kernels_cpu.h
+    if "direct_bf16" in paths and m <= small_m and bits in (4, 6, 8) and group_size % 16 == 0:
         return "avx512_register"
     if "avx2_fma" in paths:
         gemv = (bits == 8 and group_size % 16 == 0) or (fmt == "e2m1" and (group_size == 16 or group_size % 32 == 0))
@@ -76,7 +78,7 @@ def test_the_dispatch_names_the_kernel_for_each_build_and_m(fmt, group_size):
     op = _op()
     paths = op.cpu_paths()
     qt = fpq.quantize(_weight(20, 256, 1), fmt, group_size)
-    for m in (1, 4, 5, 32, 33, 300):
+    for m in (1, 4, 5, 7, 8, 12, 13, 32, 33, 300):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, 256).to(dtype)
             assert _kernel(op, x, qt) == _expected_kernel(paths, fmt, group_size, m, dtype), (paths, m, dtype)
@@ -103,9 +105,10 @@ def _id(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 12, 13, 31, 32, 33])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 8, 12, 13, 31, 32, 33])
 def test_each_kernel_edge_within_the_bound(layout, m):
-    """M at the GEMV limit (4 / 5), the micro-kernel's blocks of 6 rows (6, 7, 12, 13) and the AVX-512 limit
+    """M at the GEMV limit (4 / 5), the micro-kernel's blocks of 6 rows (6, 7, 12, 13), the AMX crossovers (7 / 8,
+    12 / 13) and the AVX-512 limit
     (32 / 33); N = 37 (two full tiles of 16 and a ragged one), K = 1000 (three full panels of 256 and a ragged
     one, groups of 100 / 128 / 1000 cut by panels, a row that ends inside a decode unit)."""
     fmt, kwargs = layout
