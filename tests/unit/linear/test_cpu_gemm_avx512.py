@@ -11,11 +11,11 @@ machine's calls to the vdpbf16ps kernel, so both kernels run here where the CPU 
 
 import pytest
 import torch
+from unit.linear.test_cpu_kernels import _kernel, _weight, _x
 from unit.linear_bound import assert_linear_within_bound
 
 import ds_fpquant as fpq
-from ds_fpquant.linear import linear, weight_only
-from ds_fpquant.numerics.packing import row_bytes
+from ds_fpquant.linear import linear
 from ds_fpquant.ops import backends
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -28,24 +28,6 @@ def _op():
     if "direct_bf16" not in op.cpu_paths():
         pytest.skip(f"the op has no AVX-512 BF16 + VBMI kernels: {op.cpu_paths()}")
     return op
-
-
-def _kernel(op, x, qt):
-    scales, kind, block_rows, tensor_scale = weight_only.scale_layout(qt)
-    n, k = qt.shape
-    codes = qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits)).contiguous()
-    return op.linear_kernel(x.reshape(-1, k).contiguous(), codes, scales, kind, block_rows, tensor_scale,
-                            qt.format.name, min(qt.group_size, max(k, 1)))
-
-
-def _weight(n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k).clamp(max=4)
-
-
-def _x(m, k, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=g).to(dtype)
 
 
 @pytest.fixture(params=["amx", "avx512"])
