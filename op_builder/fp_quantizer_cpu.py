@@ -15,11 +15,12 @@ from deepspeed.ops.op_builder.builder import OpBuilder
 from .builder import ProjectOpMixin, cpu_arch_flag, csrc_path, cxx_std_flag
 
 #: The CPU kernels (csrc/README.md), compiled into both ops: quantize, dequantize, the linear's dispatch and
-#: portable path, its AVX-512 register-blocked kernel, the AVX2 GEMV and GEMM, and the peak dot-product loops of the
-#: bench's roofline.
+#: portable path, its AVX-512 register-blocked kernel, the AVX2 GEMV and GEMM, the AVX-512 BF16 / AMX GEMM, and the
+#: peak dot-product loops of the bench's roofline.
 CPU_SOURCES = tuple(csrc_path("fp_quantizer", name) for name in (
     "fp_quantize_cpu.cpp", "fp_dequantize_cpu.cpp", "fp_linear_cpu.cpp", "fp_linear_small_m_cpu.cpp",
-    "fp_linear_gemv_avx2_cpu.cpp", "fp_linear_gemm_avx2_cpu.cpp", "fp_peak_cpu.cpp"))
+    "fp_linear_gemv_avx2_cpu.cpp", "fp_linear_gemm_avx2_cpu.cpp", "fp_linear_gemm_avx512_cpu.cpp",
+    "fp_peak_cpu.cpp"))
 
 
 class FPQuantizerCPUBuilder(ProjectOpMixin, OpBuilder):

@@ -7,6 +7,9 @@
 //    multiple of 16): the register-blocked kernel (fp_linear_small_m_cpu.cpp).
 //  * "avx2_gemv" (AVX2 + FMA builds, AVX-512 ones included; m <= kGemvMaxM, e4m3 / e5m2 in groups of a multiple
 //    of 16, e2m1 in groups of 16 or a multiple of 32): weight rows streamed (fp_linear_gemv_avx2_cpu.cpp).
+//  * "amx_gemm" / "avx512_gemm" (AVX-512 BF16 + VBMI builds; AMX where the CPU has it and Linux grants the tile data):
+//    the rest where the codes are bf16 values and the groups even (bf16 x; fp32 x on AMX, groups of a multiple of 32
+//    for AMX): decode-once bf16 panels (fp_linear_gemm_avx512_cpu.cpp).
 //  * "avx2_gemm" (AVX2 + FMA builds, everything else, any m): decode-once panels (fp_linear_gemm_avx2_cpu.cpp).
 //  * "portable" (builds without AVX2 + FMA, such as non-x86 ones): here, OpenMP over weight rows. Each row is decoded
 //    once into an fp32 buffer (decode(q) exactly, the shared codec), and every row of x takes its group partial
@@ -95,18 +98,29 @@ std::vector<std::string> linear_cpu_paths()
 #if defined(FPQ_AVX2_FMA)
     paths.emplace_back("avx2_fma");
 #endif
+#if defined(FPQ_DIRECT_BF16)
+    if (cpu_kernels::amx_usable()) { paths.emplace_back("amx"); }  // tdpbf16ps: the CPU, Linux and $DS_FPQUANT_CPU_AMX
+#endif
     return paths;
 }
 
 CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args)
 {
 #if defined(FPQ_DIRECT_BF16)
-    if (args.m <= cpu_kernels::kAvx512MaxM && cpu_kernels::linear_small_m_applies(fmt, args)) {
+    // the AVX-512 BF16 / AMX GEMM where it applies, past the rows where the register-blocked kernel is faster
+    const CpuLinearKernel gemm = cpu_kernels::linear_gemm_avx512_kernel(fmt, args);
+    const int64_t small_m_max = gemm != CpuLinearKernel::kAmxGemm ? cpu_kernels::kAvx512MaxM
+                                : args.group_size % 32 == 0    ? cpu_kernels::kAmxSmallMaxM32
+                                                               : cpu_kernels::kAmxSmallMaxM16;
+    if (args.m <= small_m_max && cpu_kernels::linear_small_m_applies(fmt, args)) {
         return CpuLinearKernel::kAvx512Register;
     }
 #endif
 #if defined(FPQ_AVX2_FMA)
     if (cpu_kernels::linear_gemv_avx2_applies(fmt, args)) { return CpuLinearKernel::kAvx2Gemv; }
+#if defined(FPQ_DIRECT_BF16)
+    if (gemm != CpuLinearKernel::kPortable) { return gemm; }
+#endif
     return CpuLinearKernel::kAvx2Gemm;
 #else
     (void)fmt;
@@ -121,6 +135,8 @@ const char* linear_cpu_kernel_name(CpuLinearKernel kernel)
         case CpuLinearKernel::kAvx512Register: return "avx512_register";
         case CpuLinearKernel::kAvx2Gemv: return "avx2_gemv";
         case CpuLinearKernel::kAvx2Gemm: return "avx2_gemm";
+        case CpuLinearKernel::kAvx512Gemm: return "avx512_gemm";
+        case CpuLinearKernel::kAmxGemm: return "amx_gemm";
         case CpuLinearKernel::kPortable: break;
     }
     return "portable";
@@ -134,6 +150,12 @@ void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16)
 #endif
 #if defined(FPQ_AVX2_FMA)
     if (kernel == CpuLinearKernel::kAvx2Gemv && cpu_kernels::linear_gemv_avx2(fmt, args, x_bf16)) { return; }
+#if defined(FPQ_DIRECT_BF16)
+    if (kernel == CpuLinearKernel::kAvx512Gemm || kernel == CpuLinearKernel::kAmxGemm) {
+        cpu_kernels::linear_gemm_avx512(fmt, args, x_bf16, kernel);
+        return;
+    }
+#endif
     if (kernel != CpuLinearKernel::kPortable) {
         cpu_kernels::linear_gemm_avx2(fmt, args, x_bf16);
         return;

@@ -175,7 +175,9 @@ float amx_bf16_loop(int64_t steps)
     return sum;
 }
 
-// Linux's per-process permission for the AMX tile data: "" once granted, else why not.
+}  // namespace
+
+// Linux's per-process permission for the AMX tile data (fp_peak_cpu.h).
 std::string amx_permission()
 {
     constexpr long kArchGetXcompSupp = 0x1021;  // arch_prctl codes of asm/prctl.h (Linux 5.16+)
@@ -196,6 +198,8 @@ std::string amx_permission()
     });
     return why;
 }
+
+namespace {
 #endif
 
 #endif  // FPQ_PEAK_X86

@@ -34,6 +34,12 @@
 #define FPQ_DIRECT_BF16 1
 #endif
 
+// amx: + AMX-BF16 (tdpbf16ps) on Linux, the AMX path of the AVX-512 GEMM (fp_linear_gemm_avx512_cpu.cpp), which
+// runs where Linux grants the tile data (amx_usable()).
+#if defined(FPQ_DIRECT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define FPQ_AMX 1
+#endif
+
 // avx2_fma: AVX2 + FMA, the AVX2 linear (exact decoders fp_avx2_decode_cpu.h; the GEMV
 // fp_linear_gemv_avx2_cpu.cpp and the GEMM fp_linear_gemm_avx2_cpu.cpp). Every x86-64-v3 build has it, the
 // AVX-512 builds too.
@@ -56,6 +62,21 @@ bool linear_small_m_applies(Format fmt, const LinearArgs& args);  // whether lin
 // rows of x up to which linear_cpu runs the register-blocked kernel (the crossover measured in earlier sessions on
 // AVX-512 BF16 machines); more rows take the AVX2 GEMM
 constexpr int64_t kAvx512MaxM = 32;
+
+// The AVX-512 BF16 / AMX GEMM (fp_linear_gemm_avx512_cpu.cpp), SPEC 8's y for any m (x rows as for linear_small_m):
+// decode-once bf16 panels of 64 weight rows, x packed in VNNI pairs; vdpbf16ps ("avx512_gemm": bf16 x, codes that are
+// bf16 values, groups of an even size) or tdpbf16ps ("amx_gemm": also fp32 x, split exactly into three bf16 parts;
+// groups of a multiple of 32; FPQ_AMX builds where Linux grants the tile data). linear_gemm_avx512_kernel: which of
+// the two runs these arguments (x bf16 when args.weight_dtype is bf16), kPortable where neither applies.
+bool amx_usable();
+CpuLinearKernel linear_gemm_avx512_kernel(Format fmt, const LinearArgs& args);
+// Rows of x up to which the register-blocked kernel stays ahead of the AMX GEMM (tiles of K = 32: groups of a multiple
+// of 32; K = 16: other multiples of 16), measured on a 2-core Sapphire Rapids (issue 44; 4096x4096, bf16 x, ms,
+// register kernel / amx_gemm): M=8 e4m3 g128 1.91 / 1.48, e2m1 g128 1.71 / 1.23, mxfp4 2.15 / 1.68, nvfp4 2.08 / 3.14;
+// M=16 nvfp4 3.78 / 2.72; M=6 e4m3 1.57 / ~1.5. The vdpbf16ps GEMM keeps kAvx512MaxM (M=32 / 33 e4m3: 7.37 / 8.13).
+constexpr int64_t kAmxSmallMaxM32 = 7;
+constexpr int64_t kAmxSmallMaxM16 = 12;
+void linear_gemm_avx512(Format fmt, const LinearArgs& args, bool x_bf16, CpuLinearKernel kernel);
 #endif
 
 #if defined(FPQ_AVX2_FMA)

@@ -31,4 +31,9 @@ std::vector<PeakKind> peak_kinds();
 // threads < 1, trials < 1, or min_seconds not in (0, 10].
 double peak_gflops(const std::string& kind, int threads, double min_seconds, int trials);
 
+// Linux's per-process permission for the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked
+// once per process: "" once granted, else why not. Defined in builds for AMX-BF16 on Linux (FPQ_PEAK_AMX of
+// fp_peak_cpu.cpp); the peak loop and the AMX GEMM (fp_linear_gemm_avx512_cpu.cpp) ask before any tile instruction.
+std::string amx_permission();
+
 }  // namespace fpq

@@ -137,8 +137,15 @@ void decode_rows_cpu(Format fmt, const LinearArgs& args, int64_t n0, int64_t n1,
 // y (m, n) fp32 = sum_g s_g * (sum_{j in g} x_j * decode(q_j)), no bias; x bf16 when x_bf16, else fp32.
 void linear_cpu(Format fmt, const LinearArgs& args, bool x_bf16);
 // Which CPU kernel linear_cpu runs for these arguments (m, format, grouping) in this build (fp_linear_cpu.cpp), and
-// its name for the binding: "avx512_register", "avx2_gemv", "avx2_gemm", "portable".
-enum class CpuLinearKernel : int { kAvx512Register = 0, kAvx2Gemv = 1, kAvx2Gemm = 2, kPortable = 3 };
+// its name for the binding: "avx512_register", "avx2_gemv", "avx2_gemm", "portable", "avx512_gemm", "amx_gemm".
+enum class CpuLinearKernel : int {
+    kAvx512Register = 0,
+    kAvx2Gemv = 1,
+    kAvx2Gemm = 2,
+    kPortable = 3,
+    kAvx512Gemm = 4,
+    kAmxGemm = 5
+};
 CpuLinearKernel linear_cpu_kernel(Format fmt, const LinearArgs& args);
 const char* linear_cpu_kernel_name(CpuLinearKernel kernel);
 // The vector paths compiled into the CPU kernels (fp_kernels_cpu.h): fast_decode (AVX-512 F/BW/VL), bf16_dot

@@ -5,7 +5,8 @@ structure, and every way a model reaches the quantized linear ending in them.
 On an AVX2 build (x86-64-v3, this session's Zen CPU) M <= 4 rows of x take the AVX2 GEMV where its layout applies
 (e4m3 / e5m2 with groups of a multiple of 16, e2m1 with groups of 16 or a multiple of 32), everything else the AVX2
 GEMM (16 weight rows per tile, 256 columns per panel, 6 rows of x per micro-kernel call); an AVX-512 BF16 + VBMI build
-runs its register kernel up to 32 rows first. The bound (``unit.linear_bound``) holds whichever ran; the cases
+runs its register kernel up to 32 rows first, and past it the AVX-512 BF16 / AMX GEMM (issue 44,
+test_cpu_gemm_avx512.py) where the groups are even. The bound (``unit.linear_bound``) holds whichever ran; the cases
 below sit at and around each of those edges, so that each kernel's own boundaries are crossed on any CPU.
 """
 
@@ -21,6 +22,8 @@ from ds_fpquant.numerics.packing import pack_rows, row_bytes
 from ds_fpquant.ops import backends
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: every compiled kernel of the CPU linear (fp_linear_cpu.cpp)
+KERNELS = ("avx2_gemv", "avx2_gemm", "avx512_register", "avx512_gemm", "amx_gemm")
 
 
 def _op():
@@ -48,14 +51,24 @@ def _kernel(op, x, qt):
                             qt.format.name, min(qt.group_size, max(qt.shape[1], 1)))
 
 
-def _expected_kernel(paths, fmt, group_size, m):
-    """The dispatch of fp_linear_cpu.cpp, written out: by the build's paths, M, the format's bits and the group."""
+def _expected_kernel(paths, fmt, group_size, m, x_dtype=torch.float32):
+    """The dispatch of fp_linear_cpu.cpp, written out: by the build's paths, M, the format's bits, the group and x's
+    dtype (every format's codes are bf16 values, e4m7's 7 mantissa bits included)."""
     bits = fpq.get_format(fmt).bits
-    if "direct_bf16" in paths and m <= 32 and bits in (4, 6, 8) and group_size % 16 == 0:
+    amx = "direct_bf16" in paths and "amx" in paths and group_size % 16 == 0
+    small_m = (7 if group_size % 32 == 0 else 12) if amx else 32  # the crossovers of fp_kernels_cpu.h
+    if "direct_bf16" in paths and m <= small_m and bits in (4, 6, 8) and group_size % 16 == 0:
         return "avx512_register"
     if "avx2_fma" in paths:
         gemv = (bits == 8 and group_size % 16 == 0) or (fmt == "e2m1" and (group_size == 16 or group_size % 32 == 0))
-        return "avx2_gemv" if m <= 4 and gemv else "avx2_gemm"
+        if m <= 4 and gemv:
+            return "avx2_gemv"
+        if "direct_bf16" in paths and group_size % 2 == 0:
+            if "amx" in paths and group_size % 16 == 0:
+                return "amx_gemm"
+            if x_dtype == torch.bfloat16:
+                return "avx512_gemm"
+        return "avx2_gemm"
     return "portable"
 
 
@@ -65,8 +78,10 @@ def test_the_dispatch_names_the_kernel_for_each_build_and_m(fmt, group_size):
     op = _op()
     paths = op.cpu_paths()
     qt = fpq.quantize(_weight(20, 256, 1), fmt, group_size)
-    for m in (1, 4, 5, 32, 33, 300):
-        assert _kernel(op, torch.randn(m, 256), qt) == _expected_kernel(paths, fmt, group_size, m), (paths, m)
+    for m in (1, 4, 5, 7, 8, 12, 13, 32, 33, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 256).to(dtype)
+            assert _kernel(op, x, qt) == _expected_kernel(paths, fmt, group_size, m, dtype), (paths, m, dtype)
     assert _kernel(op, torch.randn(0, 256), qt) == "none"
 
 
@@ -90,9 +105,10 @@ def _id(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 12, 13, 31, 32, 33])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 8, 12, 13, 31, 32, 33])
 def test_each_kernel_edge_within_the_bound(layout, m):
-    """M at the GEMV limit (4 / 5), the micro-kernel's blocks of 6 rows (6, 7, 12, 13) and the AVX-512 limit
+    """M at the GEMV limit (4 / 5), the micro-kernel's blocks of 6 rows (6, 7, 12, 13), the AMX crossovers (7 / 8,
+    12 / 13) and the AVX-512 limit
     (32 / 33); N = 37 (two full tiles of 16 and a ragged one), K = 1000 (three full panels of 256 and a ragged
     one, groups of 100 / 128 / 1000 cut by panels, a row that ends inside a decode unit)."""
     fmt, kwargs = layout
@@ -223,9 +239,9 @@ def _ran_the_kernels(spy, rows):
     take, the GEMV / AVX-512 kernel for few; and some call had ``rows`` rows of x."""
     assert spy.kernels, "no quantized linear reached the compiled op"
     for m, kernel in spy.kernels:
-        assert kernel in ("avx2_gemv", "avx2_gemm", "avx512_register"), (m, kernel)
+        assert kernel in KERNELS, (m, kernel)
         if m > 32:
-            assert kernel == "avx2_gemm", (m, kernel)
+            assert kernel in ("avx2_gemm", "avx512_gemm", "amx_gemm"), (m, kernel)
     assert any(m == rows for m, _ in spy.kernels), (rows, spy.kernels)
     spy.kernels.clear()
 
@@ -266,7 +282,7 @@ def test_experts_in_place_static_w8a8_and_compiled_reach_the_kernels(spy):
     moe = integration.apply(tiny_moe("mixtral"), {"fp_quantization": {"fmt": "mxfp4", "exclude": ["self_attn"]}})
     with torch.no_grad():
         moe(torch.randint(0, 97, (4, 40), generator=torch.Generator().manual_seed(2)))
-    assert spy.kernels and all(k in ("avx2_gemv", "avx2_gemm", "avx512_register") for _, k in spy.kernels)
+    assert spy.kernels and all(k in KERNELS for _, k in spy.kernels)
     spy.kernels.clear()
     in_place = torch.nn.Linear(64, 24)  # an AutoTP layer's weight quantized in place: DeepSpeed's F.linear runs it
     quantize_weight_in_place(in_place, "nvfp4")
