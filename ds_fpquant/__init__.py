@@ -4,7 +4,7 @@ Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`Quan
 DeepSpeed drop-ins :class:`FP_Quantize` and :func:`matmul_fp8`, and the format table :data:`FORMATS`.
 """
 
-from ds_fpquant.integration import hf as _hf
+from ds_fpquant.integration.hf import hook as _hf_hook
 from ds_fpquant.numerics.formats import FORMATS, PRESETS, FPFormat, get_format
 from ds_fpquant.tensor.quantize import dequantize, quantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
@@ -35,7 +35,7 @@ _LAZY = {
 
 # quant_method "ds_fpquant" for transformers' from_pretrained: registered when transformers' quantizer registry is
 # imported (or now, if it is); nothing of transformers is imported here.
-_hf.install()
+_hf_hook.install()
 
 
 def __getattr__(name):

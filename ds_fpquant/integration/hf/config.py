@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ds_fpquant.integration.hf import METHOD
+from ds_fpquant.integration.hf.names import METHOD
 
 __all__ = ["DsFpQuantConfig"]
 

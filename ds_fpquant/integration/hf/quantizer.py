@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Set
 import torch
 from transformers.quantizers.base import HfQuantizer
 
-from ds_fpquant.integration.hf import METHOD
+from ds_fpquant.integration.hf.names import METHOD
 
 __all__ = ["DsFpQuantHfQuantizer", "FOREIGN_METHODS", "merge_quantization_configs"]
 

@@ -161,3 +161,13 @@ def test_mismatched_tensor_named(checkpoints, tmp_path):
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj"):
         _from_pretrained(bad)
+
+
+def test_import_registers_without_importing_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, ds_fpquant; assert 'transformers' not in sys.modules; "
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; print(m['ds_fpquant'].__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "DsFpQuantHfQuantizer"
