@@ -114,6 +114,9 @@ class DsFpQuantHfQuantizer(HfQuantizer):
         directory = files[0].parent
         config = self.quantization_config
         if self.pre_quantized:
+            if config.checkpoint.get("quant_method") == "mxfp4":  # gpt-oss: its own reader builds its own model
+                raise ValueError("gpt-oss mxfp4 checkpoints load through ds_fpquant.load_quantized(path); "
+                                 "from_pretrained with DsFpQuantConfig does not read them (yet)")
             plan = plan_quantized(model, directory, layouts.reading_for(config.checkpoint, directory), model.config)
             experts = plan.expert_targets()
             linears = set(plan.quantized)
