@@ -4,6 +4,7 @@ Public API (see docs/api.md): :func:`quantize`, :func:`dequantize`, :class:`Quan
 DeepSpeed drop-ins :class:`FP_Quantize` and :func:`matmul_fp8`, and the format table :data:`FORMATS`.
 """
 
+from ds_fpquant.integration.hf import hook as _hf_hook
 from ds_fpquant.numerics.formats import FORMATS, PRESETS, FPFormat, get_format
 from ds_fpquant.tensor.quantize import dequantize, quantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
@@ -11,7 +12,8 @@ from ds_fpquant.version import __version__
 
 __all__ = ["quantize", "dequantize", "QuantizedTensor", "FP_Quantize", "matmul_fp8", "FORMATS", "PRESETS", "FPFormat",
            "get_format", "apply", "init_inference", "patch_deepspeed", "unpatch_deepspeed", "FPQuantizationConfig",
-           "FPQuantizedLinear", "quantize_checkpoint", "load_quantized", "save_quantized", "__version__"]
+           "FPQuantizedLinear", "quantize_checkpoint", "load_quantized", "save_quantized", "DsFpQuantConfig",
+           "__version__"]
 
 # These need DeepSpeed (FP_Quantize subclasses its Quantizer, matmul_fp8 takes one; the config is a DeepSpeed config
 # model); DeepSpeed is imported only when one of them is asked for.
@@ -27,7 +29,13 @@ _LAZY = {
     "quantize_checkpoint": "checkpoint.writer",
     "load_quantized": "checkpoint.reader",
     "save_quantized": "checkpoint.writer",
+    "DsFpQuantConfig": "integration.hf.config",
 }
+
+
+# quant_method "ds_fpquant" for transformers' from_pretrained: registered when transformers' quantizer registry is
+# imported (or now, if it is); nothing of transformers is imported here.
+_hf_hook.install()
 
 
 def __getattr__(name):

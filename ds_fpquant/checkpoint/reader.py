@@ -8,7 +8,8 @@ is made.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -22,7 +23,7 @@ from ds_fpquant.nn.model_walk import fused_groups, linear_modules, shared_scale_
 from ds_fpquant.tensor.quantize import nvfp4_shared_tensor_scale, quantize
 from ds_fpquant.tensor.slicing import join_rows, nvfp4_beside_e2m1
 
-__all__ = ["load_quantized", "CHECKPOINT_ACTIVATION"]
+__all__ = ["load_quantized", "CHECKPOINT_ACTIVATION", "QuantizedCheckpoint", "plan_quantized", "read_quantized"]
 
 #: ``load_quantized(activation=...)``'s default: activations as the checkpoint says (static per-tensor FP8 input
 #: scales applied); ``None``: weight-only.
@@ -79,8 +80,6 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
             patterns that match no linear module or expert parameter; tensors that are missing, damaged or
             do not fit the model (the message names the module).
     """
-    from ds_fpquant.nn.model_walk import parent_module
-    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
     from ds_fpquant.numerics import checks
 
     if activation is not None:
@@ -95,12 +94,60 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
         enable_save_pretrained(model)
         return model.eval()
     reading = layouts.reading_for(layouts.find_qconfig(hf_config, path), path)
-    own = reading.own
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # build the plain model; its linears are replaced below
+    model = meta_model(hf_config, model_class)
+    plan = plan_quantized(model, path, reading, hf_config)
+    state = read_quantized(model, plan, backend, compute_dtype, activation)
+    _assign_rest(model, state, plan.keys)
+    enable_save_pretrained(model)
+    return model.eval()
+
+
+@dataclass
+class QuantizedCheckpoint:
+    """What :func:`read_quantized` reads from a quantized checkpoint into a model on the meta device, from the
+    headers only (:func:`plan_quantized`): the layout's :class:`~ds_fpquant.checkpoint.layouts.Reading`, the dtype
+    of the weights, the shards, every tensor's (dtype, shape), the model's linears and keys, and the linear modules
+    stored quantized."""
+
+    reading: Any
+    dtype: torch.dtype
+    files: List[Any]
+    headers: Dict[str, Tuple[str, Tuple[int, ...]]]
+    linears: Dict[str, bool]
+    keys: CheckpointKeys
+    quantized: Set[str]
+
+    def owned(self) -> Set[str]:
+        """The checkpoint keys :func:`read_quantized` installs: the tensors of the quantized linears (their biases
+        too) and of quantized expert matrices and stacks; the rest is the model's plain state."""
+        owned = {key for key in self.headers
+                 if _place(key, self.quantized, self.linears, self.keys, self.reading)[0] is not None}
+        return owned | {key for key in self.headers if self.keys.module(key, ".bias", self.linears) in self.quantized}
+
+    def expert_targets(self) -> Set[str]:
+        """The expert parameters (``model.layers.1.mlp.experts.gate_up_proj``) the checkpoint stores per expert or
+        as a stack in the layout's keys: :func:`read_quantized` installs them."""
+        targets = set()
+        for key in self.headers:
+            kind, where, _ = _place(key, self.quantized, self.linears, self.keys, self.reading)
+            if kind == "expert":
+                targets.add(where.target)
+            elif kind == "stack":
+                targets.add(where)
+        return targets
+
+
+def plan_quantized(model: torch.nn.Module, path, reading, hf_config) -> QuantizedCheckpoint:
+    """The :class:`QuantizedCheckpoint` of the checkpoint directory ``path`` (layout ``reading``) for ``model``
+    (its module tree on the meta device, built from ``hf_config``), from the safetensors headers.
+
+    Raises ``ValueError`` for quantized weights of modules the checkpoint's ``quantization_config`` lists as not
+    converted, or shards that are not readable safetensors."""
+    own = reading.own
     dtype = getattr(torch, own.get("weight_dtype") or str(getattr(hf_config, "dtype", None) or "bfloat16").replace(
         "torch.", ""))
-    model = meta_model(hf_config, model_class)
     linears, keys = linear_modules(model), CheckpointKeys(model)
     files = shard_files(path)
     headers = tensor_headers(files)
@@ -112,6 +159,25 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     if ignored:
         raise ValueError(f"{ignored} are stored quantized but the checkpoint's quantization_config lists them as not "
                          f"converted ({list(reading.ignore)})")
+    return QuantizedCheckpoint(reading, dtype, files, headers, linears, keys, quantized)
+
+
+def read_quantized(model: torch.nn.Module, plan: QuantizedCheckpoint, backend: str = "auto",
+                   compute_dtype: Optional[str] = None, activation: Optional[str] = CHECKPOINT_ACTIVATION,
+                   only: Optional[Set[str]] = None) -> Dict[str, torch.Tensor]:
+    """Read the checkpoint of ``plan`` one tensor at a time into ``model`` (on the meta device): its quantized
+    linears become :class:`~ds_fpquant.nn.quantized_linear.FPQuantizedLinear` and its quantized expert parameters
+    quantized expert stacks, holding the codes and scales as stored (:func:`load_quantized`'s arguments).
+    ``only``: read just these keys (``plan.owned()``: what a loader that assigns the rest itself leaves to this).
+
+    Returns the tensors read that are not quantized weights (name -> tensor, as stored)."""
+    reading, dtype, linears, keys, quantized = plan.reading, plan.dtype, plan.linears, plan.keys, plan.quantized
+    own = reading.own
+    files = plan.files
+    from ds_fpquant.nn.model_walk import parent_module
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+    skip = () if only is None else set(plan.headers) - set(only)
     parts: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in quantized}
     expert_parts: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}  # target -> (e, part) -> tensors
     fused: Dict[str, Dict[str, torch.Tensor]] = {}  # target -> tensors of a stored (E, ...) stack
@@ -119,7 +185,7 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
     placed: Dict[Tuple, str] = {}  # where each tensor went -> its key: two keys for one place are an error
     activation_scales: Dict[str, Dict[str, torch.Tensor]] = {}  # recorded (applied where static_input says so)
     expert_inputs: Dict[str, Dict[Tuple[int, int], Tuple]] = {}  # target -> (e, part) -> (module, owner, input_scale)
-    for key, tensor in iter_tensors(files):
+    for key, tensor in iter_tensors(files, skip):
         kind, where, part_name = _place(key, quantized, linears, keys, reading)
         slot = (kind, where, part_name) if kind else None
         if slot is not None and placed.setdefault(slot, key) != key:
@@ -176,8 +242,6 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
                if reading.static_input(module_name)}
     for target, tensors in fused.items():
         _load_fused_experts(model, keys, target, tensors, reading, dtype, state, backend, compute_dtype)
-    _assign_rest(model, state, keys)
-    enable_save_pretrained(model)
     if activation_scales:
         model.ds_fpquant_activation_scales = activation_scales
     # what the checkpoint quantizes statically and ds_fpquant does not apply (activation=None opts out of the rest)
@@ -189,8 +253,10 @@ def load_quantized(path, *, fp_quantization=None, model_class=None, backend: str
             f"the checkpoint stores static activation scales ({', '.join(sorted({p for a in unapplied.values() for p in a}))}) "
             f"for {len(unapplied)} weights that ds_fpquant does not apply (it applies static per-tensor FP8 input "
             f"scales only; not FP4 activations, nor experts stored as a whole stack): those layers run weight-only. They are "
-            f"kept in model.ds_fpquant_activation_scales"), stacklevel=2)
-    return model.eval()
+            f"kept in model.ds_fpquant_activation_scales"), stacklevel=3)
+    return state
+
+
 
 
 def _static_input_scales(parts, activation_scales, reading) -> Dict[str, torch.Tensor]:
@@ -380,30 +446,75 @@ def _assign_rest(model: torch.nn.Module, state: Dict[str, torch.Tensor], keys: C
 def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
     """:func:`load_quantized` of a full-precision checkpoint with ``fp_quantization`` settings."""
     from ds_fpquant.config import load_config
-    from ds_fpquant.nn.experts import install_quantized_experts
-    from ds_fpquant.nn.model_walk import as_linear, parent_module
-    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
     config = load_config(fp_quantization)
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"path={str(path)!r} is already quantized (quantization_config="
                          f"{hf_config.quantization_config}); load it without fp_quantization")
     model = meta_model(hf_config, model_class)
+    plan = plan_quantizing(model, path, config, hf_config)
+    state = read_quantizing(model, plan)
+    _assign_rest(model, state, plan.keys)
+    enable_save_pretrained(model)
+    return model.eval()
+
+
+@dataclass
+class QuantizingCheckpoint:
+    """What :func:`read_quantizing` quantizes from a full-precision checkpoint into a model on the meta device
+    (:func:`plan_quantizing`): the ``fp_quantization`` section, the shards and headers, the model's linears and
+    keys, and the :class:`~ds_fpquant.checkpoint.keys.QuantizationPlan` of what the settings select."""
+
+    config: Any
+    dtype: Optional[torch.dtype]
+    files: List[Any]
+    headers: Dict[str, Tuple[str, Tuple[int, ...]]]
+    linears: Dict[str, bool]
+    keys: CheckpointKeys
+    selected: Any
+
+    def owned(self) -> Set[str]:
+        """The checkpoint keys :func:`read_quantizing` quantizes or installs with a quantized weight: the selected
+        linears' weights and biases, the selected expert matrices and stacks."""
+        selected, stored = self.selected, self.selected.weights
+        biases = {stored[name][:-len("weight")] + "bias" for name in selected.linears.values()}
+        return {*selected.linears, *(b for b in biases if b in self.headers), *selected.experts, *selected.stacks}
+
+
+def plan_quantizing(model: torch.nn.Module, path, config, hf_config) -> QuantizingCheckpoint:
+    """The :class:`QuantizingCheckpoint` of the full-precision checkpoint directory ``path`` for ``model`` (on the
+    meta device) with the ``fp_quantization`` section ``config``, from the headers: ``ValueError`` for patterns that
+    match nothing or tensors that do not fit the model, before any tensor is read."""
     linears, keys = linear_modules(model), CheckpointKeys(model)
     given = [*(config.exclude if "exclude" in config.model_fields_set else ()), *config.modules]
     check_patterns(given, [*linears, *keys.params], "fp_quantization patterns")
     files = shard_files(path)
     headers = tensor_headers(files)
     keys.check_fits(headers)  # every parameter there, in its shape, before anything is read or quantized
-    selected = keys.plan(headers, linears, config.settings_for)
-    stored, plan, expert_plan, stacks = selected.weights, selected.linears, selected.experts, selected.stacks
-    biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}
     dtype = getattr(hf_config, "dtype", None)  # what from_pretrained gives the weights (its dtype="auto")
     dtype = getattr(torch, str(dtype).replace("torch.", "")) if dtype else None
+    return QuantizingCheckpoint(config, dtype, files, headers, linears, keys,
+                                keys.plan(headers, linears, config.settings_for))
+
+
+def read_quantizing(model: torch.nn.Module, plan: QuantizingCheckpoint,
+                    only: Optional[Set[str]] = None) -> Dict[str, torch.Tensor]:
+    """Read the checkpoint of ``plan`` one tensor at a time into ``model``: a linear or expert weight the settings
+    select is quantized as it is read (:func:`load_quantized` with ``fp_quantization``). ``only``: read just these keys
+    (``plan.owned()``). Returns the other tensors read (name -> tensor)."""
+    from ds_fpquant.nn.experts import install_quantized_experts
+    from ds_fpquant.nn.model_walk import as_linear, parent_module
+    from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
+
+    config, files, headers, keys, selected, dtype = plan.config, plan.files, plan.headers, plan.keys, plan.selected, \
+        plan.dtype
+    stored, plan, expert_plan, stacks = selected.weights, selected.linears, selected.experts, selected.stacks
+    biases = {key: name for name in plan.values() if (key := stored[name][:-len("weight")] + "bias") in headers}
     layer = dict(compute_dtype=config.compute_dtype, backend=config.backend, activation=config.activation)
     weights, bias_of, experts, pending, state, kept_experts = {}, {}, {}, {}, {}, {}
     group_of = {name: group for group in shared_scale_groups(plan.values(), config.settings_for) for name in group}
-    for key, tensor in iter_tensors(files):
+    skip = () if only is None else set(headers) - set(only)
+    for key, tensor in iter_tensors(files, skip):
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         if key in plan:
@@ -446,9 +557,7 @@ def _quantize_while_loading(path, hf_config, fp_quantization, model_class):
                                   **layer)
     for target, by_part in kept_experts.items():  # full precision: the (E, out, in) parameter, no quantization
         _load_expert_parts(model, keys, target, by_part, None, None, state, None, None)
-    _assign_rest(model, state, keys)
-    enable_save_pretrained(model)
-    return model.eval()
+    return state
 
 
 def _with_weights(module: torch.nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:

@@ -91,6 +91,12 @@ class FPQuantizedLinear(torch.nn.Module):
                     block=self.block)
         return buffer_views(self, "weight", meta, stacked=False)[0]
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes (``weight_codes``, uint8), under the name that quantized-layer tooling (PEFT's LoRA
+        wrappers, as for GPTQ layers) reads to find the device of a quantized layer."""
+        return self.weight_codes
+
     def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return self.quantized_weight.dequantize(dtype or self.orig_dtype, backend=self.backend)
 

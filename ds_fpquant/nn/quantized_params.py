@@ -29,7 +29,7 @@ from ds_fpquant.numerics.choices import COMPUTE_DTYPE_NAMES
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["COMPUTE_DTYPES", "register_buffers", "buffer_views", "layout", "install", "quantized_params",
-           "is_weight_quantized", "quantized_experts", "input_scale_of", "KeepInputScales"]
+           "is_weight_quantized", "quantized_experts", "input_scale_of", "KeepInputScales", "dequantize_in_place"]
 
 #: ``compute_dtype`` name -> dtype (the names: :data:`ds_fpquant.numerics.choices.COMPUTE_DTYPE_NAMES`).
 COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
@@ -150,6 +150,22 @@ def quantized_experts(module: torch.nn.Module) -> Dict[str, List[QuantizedTensor
     buffers; empty if none)."""
     return {name: buffer_views(module, name, meta, True) for name, meta in quantized_params(module).items()
             if meta["stacked"]}
+
+
+def dequantize_in_place(module: torch.nn.Module, name: str, dtype: Optional[torch.dtype] = None) -> None:
+    """Undo :func:`install` for ``module.<name>``: the parameter again (``requires_grad=False``), holding the
+    dequantized weight (SPEC 5) in ``dtype`` (default: the dtype it was quantized from); a stack as the module's 3-D
+    ``(E, out, in)`` parameter (``(E, in, out)`` for transposed experts). The buffers are dropped; the module's hooks
+    find nothing left to present."""
+    meta = quantized_params(module).pop(name)
+    views = buffer_views(module, name, meta, meta["stacked"])
+    dtype = dtype or meta["dtype"]
+    weights = [qt.dequantize(dtype, backend=meta["backend"]) for qt in views]
+    weight = torch.stack([w.t() if meta.get("transposed") else w for w in weights]) if meta["stacked"] else weights[0]
+    for suffix in ("codes", "scales", "tensor_scale", "input_scale"):
+        module._buffers.pop(f"{name}_{suffix}", None)
+    module.__dict__.pop(name, None)
+    module._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)
 
 
 # The hooks of install: module-level functions (not closures), so that a module holding them pickles (torch.save
