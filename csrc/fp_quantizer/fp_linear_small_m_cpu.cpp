@@ -5,12 +5,21 @@
 //    fp_raw_decode_cpu.h): no scale, no rounding, no arithmetic per weight.
 //  * bf16 x: vdpbf16ps multiplies the words by x (exact products) into fp32 accumulators. fp32 x (and
 //    fp16 x, widened exactly by the binding): the words are widened to fp32 by 16-bit shifts and FMA'd.
+//  * bf16 x with subnormals, or normals small enough for a product to fall below 2^-126 (vdpbf16ps reads such
+//    inputs as zero and flushes such sums), takes the fp32 FMAs instead (bf16_dot_exact); so does bf16 x of more
+//    than DotBf16::kStreamM rows: there the multiplies bound the kernel, and vdpbf16ps (16 products a cycle on
+//    Sapphire Rapids: 246 GFLOP/s on 2 cores) is slower than fp32 FMA (two ports, 490 GFLOP/s) even with the words
+//    widened (bench --linear, 2-core Sapphire Rapids, M = 16: bf16 x 4.18 / 3.93 / 4.27 / 4.24 ms per 4096 x 4096
+//    layer, fp32 x 3.60 / 3.31 / 3.48 / 3.80 for e4m3 / e2m1 / mxfp4 / nvfp4).
 //  * Register blocking: a tile is kM (<= 4) rows of x times kN weight rows; each step's decoded words
-//    serve the tile's kM rows. The group scale multiplies the group's partial sum: once per group for
-//    groups of a multiple of 64 codes, per lane quad (16 codes, one group) for groups of 16, 32, 48, ...
-//  * K is walked in chunks of about kChunk columns (whole groups), so that the chunk of every row of x
-//    stays in L1 while the weight rows of a tile stream past it; totals persist across chunks in a
-//    small per-thread buffer. OpenMP splits the weight rows (output features).
+//    serve the tile's kM rows. The group scale multiplies the group's partial sum (Grouping): once per group
+//    for groups of a multiple of 64 codes, else each step's 16-lane partial sums times the scale of each lane's
+//    group (groups of 32: lanes 0-7 / 8-15; 16, 48, ...: each lane quad of 16 codes): no horizontal sums per group.
+//  * Few rows of x (linear_streamed): each tile's weight rows stream once, start to end, the totals in
+//    registers; 4- and 6-bit rows are prefetched kAheadTiles tiles ahead. More rows (linear_chunked): K is walked
+//    in chunks of about kChunk columns (whole groups), so that the chunk of every row of x stays in L1 while the
+//    weight rows of a tile stream past it; totals persist across chunks in a small per-thread buffer.
+//  * OpenMP splits the weight rows (output features).
 // No torch includes.
 
 #include <algorithm>
@@ -430,9 +439,9 @@ bool try_linear_small_m(const LinearArgs& a, bool x_bf16)
         if (!small_m_applies<F>(a)) { return false; }
         if (!x_bf16) {
             linear_small_m_as<F, DotF32>(a, static_cast<const float*>(a.x));
-        } else if (bf16_dot_exact<F>(a)) {
+        } else if (a.m <= DotBf16::kStreamM && bf16_dot_exact<F>(a)) {
             linear_small_m_as<F, DotBf16>(a, static_cast<const Bf16*>(a.x));
-        } else {  // bf16 x that vdpbf16ps would flush: widened exactly, the fp32 FMAs
+        } else {  // bf16 x widened exactly, the fp32 FMAs: x that vdpbf16ps would flush, or more rows than it streams
             linear_small_m_as<F, DotF32>(a, static_cast<const Bf16*>(a.x));
         }
         return true;
