@@ -134,6 +134,26 @@ def test_activations_too_large_to_scale_take_the_exact_weights(fmt, group_size, 
         assert_linear_within_bound(x, qt, None, linear(x, qt))
 
 
+@pytest.mark.parametrize("layout", [("e4m3", {"group_size": 128}), ("e5m2", {"group_size": 16}),
+                                    ("e3m2", {"group_size": 48}), ("e2m1", {"group_size": 16}), ("mxfp4", {}),
+                                    ("nvfp4", {})], ids=_id)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 33])
+def test_bf16_subnormal_and_tiny_x_within_the_bound(layout, m):
+    """bf16 x with subnormals (below 2^-126) and with normals so small that their products with the smallest codes
+    are fp32 subnormals, in one row of several: the AVX-512 kernel's vdpbf16ps reads such inputs as zero and flushes
+    such sums, so these calls must take a path that keeps them (SPEC 8.2 has no exception for them). Weights of
+    scale ~1, so a flushed row would come out 0 instead of about 2^-120."""
+    fmt, kwargs = layout
+    qt = fpq.quantize(_weight(37, 1000, m), fmt, **kwargs)
+    x = _x(m, 1000, torch.bfloat16, m)
+    tiny = (_x(1, 1000, torch.float32, m + 1)[0] * 2.0**-131).to(torch.bfloat16)  # subnormal bf16, some zero
+    x[m // 2] = tiny
+    assert (x[m // 2].float().abs() < 2.0**-126).all() and (x[m // 2] != 0).sum() > 500
+    assert_linear_within_bound(x, qt, None, linear(x, qt))
+    x[m // 2] = (tiny.float() * 2.0**12).to(torch.bfloat16)  # normals near 2^-119: products below 2^-126
+    assert_linear_within_bound(x, qt, None, linear(x, qt))
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17])
 @pytest.mark.parametrize("m", [2, 40])
 def test_fewer_weight_rows_than_threads_split_the_rows_of_x(n, m):
