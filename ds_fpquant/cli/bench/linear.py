@@ -291,6 +291,34 @@ def layer_count(nbytes: int, llc: int, llc_multiple: float) -> int:
     return max(1, math.ceil(llc_multiple * llc / max(nbytes, 1)))
 
 
+#: Share of the memory available when a shape's weights are made that all its passes together may take.
+MEMORY_SHARE = 0.5
+
+
+def available_memory_bytes(path: str = "/proc/meminfo") -> Optional[int]:
+    """``MemAvailable`` of ``path`` in bytes, or ``None`` where the file or the field is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def fit_layer_counts(counts: Dict[str, int], nbytes: Dict[str, int], budget: Optional[int]) -> Dict[str, int]:
+    """The layer counts of one shape's kinds, each cut by the same factor (at least one layer each) where all the
+    passes together (``sum(count * nbytes)``) would take more than ``budget`` bytes; unchanged when they fit or
+    ``budget`` is ``None``. A VM that reports a host's huge last-level cache (480 MiB on a 24 GiB guest) would
+    otherwise make passes that do not fit in memory."""
+    total = sum(counts[name] * nbytes[name] for name in counts)
+    if budget is None or total <= budget:
+        return dict(counts)
+    factor = budget / total
+    return {name: max(1, math.floor(count * factor)) for name, count in counts.items()}
+
+
 def _peer_maker(kind: str) -> Callable[[torch.Tensor, int], peers.PeerWeight]:
     make = peers.int8pack_weight if kind == "int8pack" else peers.int4pack_weight
     # the first layer keeps the first rows of its fp64 weight for the check before timing
@@ -298,9 +326,10 @@ def _peer_maker(kind: str) -> Callable[[torch.Tensor, int], peers.PeerWeight]:
 
 
 def _make_weights(n: int, k: int, formats: Sequence[str], with_peers: bool, llc: int, llc_multiple: float,
-                  progress: bool) -> Dict[str, _WeightKind]:
+                  progress: bool, memory_budget: Optional[int] = None) -> Dict[str, _WeightKind]:
     """Every weight kind of one shape, each with the layers of its own model-sized pass; the masters are random
-    ``N(0, 0.02^2)`` fp32 weights, made one at a time (the fp32 kind keeps as many as it needs)."""
+    ``N(0, 0.02^2)`` fp32 weights, made one at a time (the fp32 kind keeps as many as it needs). ``memory_budget``:
+    bytes all the passes may take together (:func:`fit_layer_counts`)."""
     kinds: Dict[str, _WeightKind] = {"fp32": _WeightKind(lambda w, i: w), "bf16": _WeightKind(lambda w, i: w.bfloat16())}
     if with_peers:
         for kind in ("int8pack", "int4pack"):
@@ -322,6 +351,16 @@ def _make_weights(n: int, k: int, formats: Sequence[str], with_peers: bool, llc:
                     kind.nbytes = weight_nbytes(kind.layers[0])
                     kind.count = layer_count(kind.nbytes, llc, llc_multiple)
         master = None
+        if i == 0:
+            wanted = {name: kind.count for name, kind in kinds.items()}
+            fitted = fit_layer_counts(wanted, {name: kind.nbytes for name, kind in kinds.items()},
+                                      memory_budget)
+            if fitted != wanted and progress:
+                print(f"bench --linear: {n}x{k}: layers per pass cut to fit {MEMORY_SHARE:.0%} of the available "
+                      f"memory ({memory_budget / MIB:.0f} MiB): the passes read fewer than {llc_multiple:g} "
+                      "last-level caches (--llc-mib / --llc-multiple set them)", flush=True)
+            for name, kind in kinds.items():
+                kind.count = fitted[name]
         i += 1
     return kinds
 
@@ -417,7 +456,9 @@ def run(shapes: Sequence[Tuple[int, int]], tokens: Sequence[int], formats: Seque
     with torch.no_grad():
         warm_up_kernels(formats, x_dtypes, with_peers)
         for n, k in shapes:
-            kinds = _make_weights(n, k, formats, with_peers, llc, llc_multiple, progress)
+            available = available_memory_bytes()
+            budget = None if available is None else int(MEMORY_SHARE * available)
+            kinds = _make_weights(n, k, formats, with_peers, llc, llc_multiple, progress, budget)
             bf16 = kinds["bf16"]
             copy_dst = [torch.empty_like(w) for w in bf16.layers]
             copy_ms = median_ms(lambda: [d.copy_(s) for d, s in zip(copy_dst, bf16.layers)], repeat) / bf16.count

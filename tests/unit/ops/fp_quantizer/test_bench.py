@@ -457,3 +457,26 @@ def test_limits_of_a_run_are_the_better_of_start_and_end(tmp_path):
 
     assert bench_linear.cpu_steal_seconds(str(stat)) == pytest.approx(3762 / os.sysconf("SC_CLK_TCK"))
     assert bench_linear.cpu_steal_seconds(str(tmp_path / "missing")) is None
+
+
+def test_layer_counts_are_cut_to_fit_the_memory_budget(tmp_path):
+    """A VM reporting a host's 480 MiB L3 on a 24 GiB guest: 4 LLCs per kind of 9 kinds do not fit; every count is cut
+    by the same factor (at least one layer), and counts that fit are kept."""
+    from ds_fpquant.cli.bench.linear import available_memory_bytes, fit_layer_counts
+
+    mib = 2**20
+    counts = {"fp32": 30, "bf16": 60, "e2m1": 226}
+    nbytes = {"fp32": 64 * mib, "bf16": 32 * mib, "e2m1": int(8.5 * mib)}
+    total = sum(counts[k] * nbytes[k] for k in counts)
+    assert fit_layer_counts(counts, nbytes, None) == counts
+    assert fit_layer_counts(counts, nbytes, total) == counts
+    fitted = fit_layer_counts(counts, nbytes, total // 4)
+    assert sum(fitted[k] * nbytes[k] for k in counts) <= total // 4
+    assert fitted == {"fp32": 7, "bf16": 15, "e2m1": 56}
+    assert fit_layer_counts(counts, nbytes, 1) == {"fp32": 1, "bf16": 1, "e2m1": 1}
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert available_memory_bytes(str(meminfo)) == 20000000 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert available_memory_bytes(str(meminfo)) is None
+    assert available_memory_bytes(str(tmp_path / "missing")) is None
