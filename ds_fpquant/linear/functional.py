@@ -86,11 +86,12 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
     _check(x, qt, bias, backend)
     check_activation(activation, qt, input_scale)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    # the custom op also where a dispatch mode (FlopCounterMode, a profiler's mode) or a torch.func transform
-    # (vmap) runs, so that they see one ds_fpquant op (its flop formula, its vmap rule), not the body's own calls
-    needs_grad = needs_grad or torch._C._len_torch_dispatch_stack() > 0 or \
-        torch._C._functorch.maybe_current_level() is not None
-    check_no_func_grad(x, bias)
+    if not torch.compiler.is_compiling():  # (traced code always takes the custom ops)
+        # the custom op also where a dispatch mode (FlopCounterMode, a profiler's mode) or a torch.func transform
+        # (vmap) runs, so that they see one ds_fpquant op (its flop formula, its vmap rule), not the body's calls
+        needs_grad = needs_grad or torch._C._len_torch_dispatch_stack() > 0 or \
+            torch._C._functorch.maybe_current_level() is not None
+        check_no_func_grad(x, bias)
     if input_scale is not None:
         checks.check_device("input_scale", input_scale, x.device)
         if not needs_grad and not torch.compiler.is_compiling():

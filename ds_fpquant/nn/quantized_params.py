@@ -167,8 +167,9 @@ class PerThreadStandIn(DequantizingTensor):
     ``.shape``, ``.dtype``, a cast, a dense fallback) is passed to the stand-in of the forward running in the thread
     that uses it (:class:`~ds_fpquant.linear.weights.QuantizedWeight` / ``QuantizedExperts``, built by that forward's
     pre-hook in its own compute dtype). So concurrent forwards of one module, of any dtypes, never see each other's
-    stand-in. A storage-less tensor subclass; ``RuntimeError`` when used by a thread in which no forward of the module
-    runs."""
+    stand-in. Used where no forward of the module runs in the thread (kept past its forward), it is a new stand-in
+    in the layer's ``compute_dtype`` (else the original weight's dtype). A storage-less tensor subclass; its other
+    attributes (``qt``, ``experts``, ...) are the stand-in's."""
 
     @staticmethod
     def __new__(cls, module: torch.nn.Module, name: str, like: DequantizingTensor):
@@ -181,16 +182,23 @@ class PerThreadStandIn(DequantizingTensor):
         super().__init__()
 
     def resolve(self) -> DequantizingTensor:
-        """The stand-in of the innermost forward of the module running in this thread."""
-        stack = _in_flight_stand_ins().get((id(self.owner()), self.param_name))
-        if not stack:
-            raise RuntimeError(f"the quantized parameter {self.param_name!r} is presented only inside its module's forward, "
-                               f"in the thread that runs it")
-        return stack[-1]
+        """The stand-in of the innermost forward of the module running in this thread (else a new one, as the class
+        docstring says)."""
+        module = self.owner()
+        stack = _in_flight_stand_ins().get((id(module), self.param_name))
+        if stack:
+            return stack[-1]
+        if module is None:
+            raise RuntimeError(f"the module of the quantized parameter {self.param_name!r} no longer exists")
+        return _stand_in(module, self.param_name, quantized_params(module)[self.param_name], None)
+
+    def __getattr__(self, name):
+        if name in ("owner", "param_name"):  # not set yet (construction)
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
 
     def __repr__(self, *, tensor_contents=None):
-        stack = _in_flight_stand_ins().get((id(self.owner()), self.param_name))
-        return repr(stack[-1]) if stack else f"PerThreadStandIn({self.param_name!r}, no forward in this thread)"
+        return repr(self.resolve())
 
     def dequantized(self) -> torch.Tensor:
         return self.resolve().dequantized()
