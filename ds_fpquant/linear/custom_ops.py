@@ -14,6 +14,11 @@
 - ``ds_fpquant::dequantize_weight(codes, scales, tensor_scale, in_features, fmt, group_size, block,
   scale_format, dtype, backend) -> Tensor``: :func:`ds_fpquant.dequantize` of a 2-D weight.
 
+Each linear op has a flop formula (``torch.utils.flop_counter``: ``2 M N K`` as for ``mm``, ``M`` the rows of ``x``,
+``N`` the weight's rows, ``K`` its columns), so ``FlopCounterMode`` counts a quantized forward as the dense one; and a
+vmap rule (``torch.func.vmap``): a batched ``x`` is one call over the batch as more rows; batched weights, biases or
+input scales run one call per batch element, stacked (the same bits as the calls one by one).
+
 The arguments are the fields of a 2-D row-grouped or 2-D-blocked :class:`~ds_fpquant.QuantizedTensor`
 (``block`` as ``[Br, Bc]`` or ``None``). Each op has a fake (meta) implementation giving the output's
 shape and dtype; the real one picks the backend (compiled op or torch reference) at run time, outside
@@ -22,16 +27,19 @@ the traced graph, so no lock, ``.item()`` or denormal probe is traced.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from ds_fpquant.linear.w8a8 import static_w8a8_linear, w8a8_linear
 from ds_fpquant.linear.weight_only import weight_only_linear
 from ds_fpquant.tensor.quantize import dequantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["linear_op", "w8a8_linear_op", "static_w8a8_linear_op", "dequantize_weight", "as_op_args"]
+__all__ = ["linear_op", "w8a8_linear_op", "static_w8a8_linear_op", "dequantize_weight", "as_op_args",
+           "check_no_func_grad"]
 
 
 def _weight(codes, scales, tensor_scale, in_features: int, fmt: str, group_size: int, block, scale_format: str,
@@ -137,3 +145,39 @@ def _static_backward(ctx, grad_y):
 
 
 static_w8a8_linear_op.register_autograd(_static_backward, setup_context=_static_setup)
+
+
+def _linear_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
+    """``2 M N K`` (as ``torch.utils.flop_counter`` counts ``mm``): ``x`` ``(..., K)``, out ``(..., N)``."""
+    return 2 * math.prod(out_shape) * x_shape[-1]
+
+
+def check_no_func_grad(*tensors) -> None:
+    """``NotImplementedError`` where a ``torch.func`` gradient transform (``grad``, ``jacrev``, ``vjp``, ``jvp``)
+    tracks one of ``tensors``: torch runs a custom op's ``register_autograd`` backward under ``torch.autograd`` only
+    (torch 2.13 makes it an ``autograd.Function`` without ``setup_context``, which ``torch.func`` refuses). ``vmap``
+    is supported; gradients come from ``loss.backward()`` / ``torch.autograd.grad``."""
+    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_gradtrackingtensor(t) for t in tensors):
+        raise NotImplementedError("ds_fpquant's quantized linear under torch.func.grad / jacrev / vjp / jvp: torch "
+                                  "runs a custom op's backward (ds_fpquant::linear, w8a8_linear, static_w8a8_linear) "
+                                  "under torch.autograd only; use loss.backward() or torch.autograd.grad (vmap works)")
+
+
+def _vmap_rule(op):
+    """``torch.library.register_vmap`` rule of ``op`` (``x`` first): a batched ``x`` alone is one call with the batch
+    as leading rows (the op takes any leading dims); any other batched argument: one call per batch element."""
+    def rule(info, in_dims, *args):
+        check_no_func_grad(args[0], args[4])  # x, bias (grad of vmap)
+        if all(d is None for d in in_dims[1:]):
+            return op(args[0].movedim(in_dims[0], 0), *args[1:]), 0
+        calls = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                 for i in range(info.batch_size)]
+        return torch.stack(calls), 0
+
+    return rule
+
+
+register_flop_formula([torch.ops.ds_fpquant.linear, torch.ops.ds_fpquant.w8a8_linear,
+                       torch.ops.ds_fpquant.static_w8a8_linear])(_linear_flops)
+for _op in (linear_op, w8a8_linear_op, static_w8a8_linear_op):
+    torch.library.register_vmap(_op, _vmap_rule(_op))

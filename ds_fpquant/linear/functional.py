@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ds_fpquant.linear.custom_ops import linear_op, static_w8a8_linear_op, w8a8_linear_op
+from ds_fpquant.linear.custom_ops import check_no_func_grad, linear_op, static_w8a8_linear_op, w8a8_linear_op
 from ds_fpquant.linear.w8a8 import check_activation, static_w8a8_linear, w8a8_linear
 from ds_fpquant.linear.weight_only import weight_only_linear
 from ds_fpquant.numerics import checks
@@ -60,7 +60,8 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
             ``x`` is quantized per token to e4m3 with fp32 scales in groups of 128, and multiplied by an e4m3
             weight with fp32 scales in groups of 128 or (128, 128) blocks through ``torch._scaled_mm``'s
             blockwise FP8 GEMM on sm_90+; elsewhere the same math in fp32 (dequantized activations times the
-            weight); the bias is added in fp32 before the one rounding to ``x``'s dtype. Backward passes the
+            weight); the bias, rounded to ``x``'s dtype, is added in fp32 before the one rounding to ``x``'s dtype
+            (the rule of every path). Backward passes the
             activation quantization straight through.
         input_scale: with ``activation="e4m3"``: a 0-dim fp32 tensor ``s`` (finite, > 0, on ``x``'s device) for
             static per-tensor W8A8 (SPEC 8.3) instead of the dynamic 1x128 groups: ``x_hat =
@@ -72,15 +73,25 @@ def linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor] = 
         ``(..., out_features)`` tensor of ``x``'s dtype. Differentiable with respect to ``x`` (and
         ``bias``); the quantized weight gets no gradient. With bf16 ``x`` the CPU's bf16 dot product
         (``vdpbf16ps``, and torch's own bf16 matmul in the panel path) reads bf16 values below 2^-126
-        (subnormals, about 1e-38) as zero, as torch's bf16 ``F.linear`` on such a CPU does.
+        (subnormals, about 1e-38) as zero, as torch's bf16 ``F.linear`` on such a CPU does. Safe to call
+        from several threads at once. ``FlopCounterMode`` counts ``2 M N K``; ``torch.func.vmap`` runs it over
+        batched ``x`` (one call) or batched weights / biases (one call per element).
 
     Raises:
         TypeError, ValueError: ``x``, ``qt``, ``bias`` or ``input_scale`` of the wrong type, dtype, shape or
             device; an ``input_scale`` without ``activation="e4m3"``.
+        NotImplementedError: under ``torch.func.grad`` / ``jacrev`` / ``vjp`` / ``jvp`` (torch runs a custom op's
+            backward under ``torch.autograd`` only: use ``loss.backward()`` or ``torch.autograd.grad``).
     """
     _check(x, qt, bias, backend)
     check_activation(activation, qt, input_scale)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if not torch.compiler.is_compiling():  # (traced code always takes the custom ops)
+        # the custom op also where a dispatch mode (FlopCounterMode, a profiler's mode) or a torch.func transform
+        # (vmap) runs, so that they see one ds_fpquant op (its flop formula, its vmap rule), not the body's calls
+        needs_grad = needs_grad or torch._C._len_torch_dispatch_stack() > 0 or \
+            torch._C._functorch.maybe_current_level() is not None
+        check_no_func_grad(x, bias)
     if input_scale is not None:
         checks.check_device("input_scale", input_scale, x.device)
         if not needs_grad and not torch.compiler.is_compiling():

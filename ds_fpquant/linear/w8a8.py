@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ds_fpquant.linear.weight_only import weight_only_linear
+from ds_fpquant.linear.weight_only import rounded_bias, weight_only_linear
 from ds_fpquant.numerics import checks, codec
 from ds_fpquant.numerics.choices import ACTIVATIONS
 from ds_fpquant.numerics.formats import W8A8_GROUP, get_format, w8a8_weight_problem
@@ -133,7 +133,7 @@ def _w8a8(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor], b
     FP8 GEMM on CUDA; elsewhere (and where the GEMM is not available) the same math in fp32: the dequantized
     activations times the weight, one rounding to ``x``'s dtype."""
     xq = quantize(x2, "e4m3", W8A8_GROUP, backend=backend)
-    b32 = None if bias is None else bias.detach().float()
+    b32 = None if bias is None else rounded_bias(bias, x2.dtype).float()  # SPEC 8.1: rounded to x's dtype
     y = _scaled_mm_blockwise(xq, qt, torch.float32) if x2.is_cuda and x2.shape[0] else None
     if y is None:
         y = weight_only_linear(dequantize(xq, torch.float32, backend=backend), qt, b32, backend)
@@ -232,7 +232,7 @@ def static_w8a8_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torc
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
     codes, x_hat = static_quantize_activations(x2, input_scale)
-    b32 = None if bias is None else bias.detach().float()  # added in fp32, unrounded, as dynamic W8A8 does
+    b32 = None if bias is None else rounded_bias(bias, x2.dtype).float()  # rounded to x's dtype, added in fp32
     y = _scaled_mm_tensorwise(codes, input_scale, qt) if x2.is_cuda and x2.shape[0] and n and k else None
     if y is None:
         y = weight_only_linear(x_hat, qt, b32, backend)

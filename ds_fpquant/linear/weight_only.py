@@ -30,7 +30,7 @@ from ds_fpquant.tensor.quantize import dequantize
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 from ds_fpquant.tensor.slicing import row_slice
 
-__all__ = ["weight_only_linear", "scale_layout", "cpu_gemm", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
+__all__ = ["weight_only_linear", "rounded_bias", "scale_layout", "cpu_gemm", "SMALL_M", "PANEL_BYTES", "GEMV_MAX_ROWS", "CUDA_PANEL_BYTES"]
 
 
 #: Rows of ``x`` (tokens) up to which the fused CPU kernel runs; more rows take the fp32 panel path. Per activation
@@ -88,11 +88,18 @@ def _packed_codes(qt: QuantizedTensor) -> torch.Tensor:
     return qt.codes.view(torch.uint8).reshape(n, row_bytes(k, qt.group_size, qt.format.bits)).contiguous()
 
 
+def rounded_bias(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """SPEC 8.1's bias: ``bias`` rounded to ``dtype`` (``x``'s dtype; RNE), which every path then adds in fp32 (a
+    bf16 / fp16 value widens exactly). The one place the rule is applied: the weight-only forward and both W8A8
+    forwards take their bias from here, whatever kernel or build then runs."""
+    return None if bias is None else bias.detach().to(dtype).contiguous()
+
+
 def _fused(op, x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The backend's own linear: the fused CPU kernel, the CUDA GEMV, or the torch reference's formula."""
+    """The backend's own linear: the fused CPU kernel, the CUDA GEMV, or the torch reference's formula (``bias``
+    already rounded to ``x2``'s dtype)."""
     scales, kind, block_rows, tensor_scale = scale_layout(qt)
-    b = None if bias is None else bias.detach().to(x2.dtype).contiguous()
-    return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, b, qt.format.name, _group(qt))
+    return op.linear(x2, _packed_codes(qt), scales, kind, block_rows, tensor_scale, bias, qt.format.name, _group(qt))
 
 
 def _op_decoder(op, qt: QuantizedTensor, x2: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
@@ -125,10 +132,11 @@ def _panels(x2: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
             decode: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
     """``F.linear`` of ``x2`` with the weight decoded ``panel_bytes`` of rows at a time (whole 2-D blocks of rows),
     the one panel loop of every device: ``y[:, n0:n1] = F.linear(x2, W[n0:n1], bias[n0:n1])`` with ``W[n0:n1] =
-    decode(n0, n1, rows per panel)`` in ``x2``'s dtype (the caller's compute dtype). (Not ``W @ x^T``: in torch 2.13
-    that bf16 GEMM lets a NaN/Inf weight row spoil its neighbour row's result.)"""
+    decode(n0, n1, rows per panel)`` in ``x2``'s dtype (the caller's compute dtype; ``bias``, already rounded to the
+    caller's ``x`` dtype, widens exactly to it). (Not ``W @ x^T``: in torch 2.13 that bf16 GEMM lets a NaN/Inf weight
+    row spoil its neighbour row's result.)"""
     n, k = qt.shape
-    b = None if bias is None else bias.detach().to(x2.dtype)
+    b = None if bias is None else bias.to(x2.dtype)
     block_rows = min(qt.block[0], max(n, 1)) if qt.block is not None else 1
     rows = max(1, panel_bytes // max(1, k * x2.element_size()))
     rows = min(n, ceil_div(rows, block_rows) * block_rows)
@@ -149,6 +157,7 @@ def weight_only_linear(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torc
     impl = backends.resolve(backend, x.device)
     n, k = qt.shape
     x2 = x.reshape(math.prod(x.shape[:-1]), k).resolve_neg().resolve_conj().contiguous()
+    bias = rounded_bias(bias, x.dtype)  # SPEC 8.1, on every path below (the fp32 panels add it widened from x's dtype)
     m = x2.shape[0]
     torch_reference = not hasattr(impl, "decode_rows")  # the torch backend: its formula on any device
     if torch_reference or n == 0 or k == 0 or m == 0:

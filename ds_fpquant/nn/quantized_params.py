@@ -14,22 +14,33 @@ device follows: :class:`KeepInputScales`, the module's ``_apply``).
 In-place quantized parameters (:func:`install`) are presented to the module's own forward by a forward pre-hook:
 ``module.<name>`` is then a :class:`~ds_fpquant.linear.weights.QuantizedWeight` (a stack: a
 :class:`~ds_fpquant.linear.weights.QuantizedExperts`), whose ``F.linear`` / ``matmul`` run the fused quantized
-linear, and ``None`` again after the forward.
+linear, and ``None`` again once no forward of the module runs.
+
+Thread safety (issue 43): several threads may run forwards of one module at once (a serving thread pool), each with
+its own input dtype. Each forward builds its own stand-in (views of the buffers, in its compute dtype: the layer's
+``compute_dtype``, else its input's dtype) and keeps it in per-thread state; what the forward reads as
+``module.<name>`` is a :class:`PerThreadStandIn`, which passes every use to the stand-in of the forward running in the
+reading thread. The attribute is set when the first forward of the module starts and reset to ``None`` when the last
+one ends (a lock counts them; the release hook runs even when the forward raises). Under ``torch.compile`` /
+``torch.export`` the traced forward builds its stand-in in the graph as before (no per-thread state is traced).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ds_fpquant.linear.w8a8 import check_activation, check_input_scale
-from ds_fpquant.linear.weights import QuantizedExperts, QuantizedWeight
+from ds_fpquant.linear.weights import DequantizingTensor, QuantizedExperts, QuantizedWeight
 from ds_fpquant.numerics.choices import COMPUTE_DTYPE_NAMES
 from ds_fpquant.tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["COMPUTE_DTYPES", "register_buffers", "buffer_views", "layout", "install", "quantized_params",
-           "is_weight_quantized", "quantized_experts", "input_scale_of", "KeepInputScales", "dequantize_in_place"]
+           "is_weight_quantized", "quantized_experts", "input_scale_of", "KeepInputScales", "PerThreadStandIn",
+           "dequantize_in_place"]
 
 #: ``compute_dtype`` name -> dtype (the names: :data:`ds_fpquant.numerics.choices.COMPUTE_DTYPE_NAMES`).
 COMPUTE_DTYPES = dict(zip(COMPUTE_DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
@@ -103,7 +114,7 @@ def install(module: torch.nn.Module, name: str, qts: Sequence[QuantizedTensor], 
                         static=input_scale is not None)
     if len(params) == 1:  # one pair of hooks per module, for all its quantized parameters
         module.register_forward_pre_hook(_materialize)
-        module.register_forward_hook(_release)
+        module.register_forward_hook(_release, always_call=True)
         module.register_load_state_dict_post_hook(_check_loaded_scales)
 
 
@@ -152,6 +163,84 @@ def quantized_experts(module: torch.nn.Module) -> Dict[str, List[QuantizedTensor
             if meta["stacked"]}
 
 
+class PerThreadStandIn(DequantizingTensor):
+    """``module.<name>`` while forwards of ``module`` run: every use (``F.linear``, ``matmul``, indexing an expert,
+    ``.shape``, ``.dtype``, a cast, a dense fallback) is passed to the stand-in of the forward running in the thread
+    that uses it (:class:`~ds_fpquant.linear.weights.QuantizedWeight` / ``QuantizedExperts``, built by that forward's
+    pre-hook in its own compute dtype). So concurrent forwards of one module, of any dtypes, never see each other's
+    stand-in. Used where no forward of the module runs in the thread (kept past its forward), it is a new stand-in
+    in the layer's ``compute_dtype`` (else the original weight's dtype). A storage-less tensor subclass; its other
+    attributes (``qt``, ``experts``, ...) are the stand-in's."""
+
+    @staticmethod
+    def __new__(cls, module: torch.nn.Module, name: str, like: DequantizingTensor):
+        self = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                   requires_grad=False)
+        self.owner, self.param_name = weakref.ref(module), name
+        return self
+
+    def __init__(self, module: torch.nn.Module, name: str, like: DequantizingTensor):
+        super().__init__()
+
+    def resolve(self) -> DequantizingTensor:
+        """The stand-in of the innermost forward of the module running in this thread (else a new one, as the class
+        docstring says)."""
+        module = self.owner()
+        stack = _in_flight_stand_ins().get((id(module), self.param_name))
+        if stack:
+            return stack[-1]
+        if module is None:
+            raise RuntimeError(f"the module of the quantized parameter {self.param_name!r} no longer exists")
+        return _stand_in(module, self.param_name, quantized_params(module)[self.param_name], None)
+
+    def __getattr__(self, name):
+        if name in ("owner", "param_name"):  # not set yet (construction)
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self.resolve())
+
+    def dequantized(self) -> torch.Tensor:
+        return self.resolve().dequantized()
+
+    def numerics(self) -> str:
+        return self.resolve().numerics()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def own(value):
+            return value.resolve() if isinstance(value, PerThreadStandIn) else value
+
+        args, kwargs = torch.utils._pytree.tree_map(own, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+#: Per thread: ``{(id(module), name): [stand-in of each forward of the module running in this thread]}``.
+_THREAD = threading.local()
+#: Forwards running per module (all threads), and the lock that guards the counts and the presented attributes.
+_RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _in_flight_stand_ins() -> Dict:
+    stacks = getattr(_THREAD, "stacks", None)
+    if stacks is None:
+        stacks = _THREAD.stacks = {}
+    return stacks
+
+
+def _stand_in(module: torch.nn.Module, name: str, meta: Dict, x: Optional[torch.Tensor]) -> DequantizingTensor:
+    """A new stand-in for ``module.<name>`` (views of its buffers) in the compute dtype of a forward on ``x``."""
+    dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
+    views = buffer_views(module, name, meta, meta["stacked"])
+    scale = input_scale_of(module, name)
+    if meta["stacked"]:
+        return QuantizedExperts(views, dtype, meta["backend"], meta["activation"], meta.get("transposed", False),
+                                input_scale=scale)
+    return QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"], input_scale=scale)
+
+
 def dequantize_in_place(module: torch.nn.Module, name: str, dtype: Optional[torch.dtype] = None) -> None:
     """Undo :func:`install` for ``module.<name>``: the parameter again (``requires_grad=False``), holding the
     dequantized weight (SPEC 5) in ``dtype`` (default: the dtype it was quantized from); a stack as the module's 3-D
@@ -172,20 +261,43 @@ def dequantize_in_place(module: torch.nn.Module, name: str, dtype: Optional[torc
 # of a whole model) and deep-copies.
 def _materialize(module, args):
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    for name, meta in quantized_params(module).items():
-        dtype = meta["compute_dtype"] or (x.dtype if x is not None else meta["dtype"])
-        views = buffer_views(module, name, meta, meta["stacked"])
-        scale = input_scale_of(module, name)
-        weight = (QuantizedExperts(views, dtype, meta["backend"], meta["activation"], meta.get("transposed", False),
-                                   input_scale=scale)
-                  if meta["stacked"] else
-                  QuantizedWeight(views[0], dtype, meta["backend"], activation=meta["activation"], input_scale=scale))
-        setattr(module, name, weight)
+    weights = {name: _stand_in(module, name, meta, x) for name, meta in quantized_params(module).items()}
+    if torch.compiler.is_compiling():  # traced: the stand-in is built in the graph, no per-thread state
+        for name, weight in weights.items():
+            setattr(module, name, weight)
+        return
+    stacks = _in_flight_stand_ins()
+    for name, weight in weights.items():
+        stacks.setdefault((id(module), name), []).append(weight)
+    with _LOCK:
+        _RUNNING[module] = _RUNNING.get(module, 0) + 1
+        for name, weight in weights.items():
+            if not isinstance(module.__dict__.get(name), PerThreadStandIn):  # the first forward running
+                setattr(module, name, PerThreadStandIn(module, name, weight))
 
 
 def _release(module, args, output):
+    if torch.compiler.is_compiling():
+        for name in quantized_params(module):
+            setattr(module, name, None)
+        return
+    stacks, ran = _in_flight_stand_ins(), False
     for name in quantized_params(module):
-        setattr(module, name, None)
+        stack = stacks.get((id(module), name))
+        if stack:
+            stack.pop()
+            ran = True
+            if not stack:
+                del stacks[(id(module), name)]
+    if not ran:  # an earlier pre-hook raised before this forward's stand-ins were made: nothing to release
+        return
+    with _LOCK:
+        running = _RUNNING.pop(module, 0) - 1
+        if running > 0:
+            _RUNNING[module] = running
+        else:  # the last forward running: nothing presented between forwards
+            for name in quantized_params(module):
+                setattr(module, name, None)
 
 
 def _check_loaded_scales(module, incompatible_keys):

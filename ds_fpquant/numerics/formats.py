@@ -284,7 +284,7 @@ def resolve_preset(fmt, group_size: Optional[int] = None, scale_format: Optional
 
 def resolve_scaling(fmt, group_size: Optional[int] = None, block: Optional[Tuple[int, int]] = None,
                     scale_format: Optional[str] = None) -> Tuple[int, str, Optional[Tuple[int, int]]]:
-    """The one resolution of the scaling arguments of a quantize call, a config section or a checkpoint run:
+    r"""The one resolution of the scaling arguments of a quantize call, a config section or a checkpoint run:
     ``(group_size, scale_format, block)`` with a preset's own values (:func:`resolve_preset`) and, with 2-D
     ``block``\ s ``(Br, Bc)``, ``Bc`` as the group size (SPEC 2, 6). ``block`` is a pair of ints >= 1 already
     (the callers check its type); ``fmt`` and the scale format's value are checked by the callers too.

@@ -21,11 +21,21 @@ from ds_fpquant.nn.quantized_params import quantized_experts
 EPS_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 #: Half the output dtype's smallest subnormal: the absolute rounding error of a tiny result.
 TINY_OUT = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+#: Half fp32's smallest subnormal (2^-149): the most an fp32 product, FMA or scale multiply whose result is
+#: subnormal errs by, absolutely (SPEC 8.2's underflow term); fp32's smallest normal.
+ETA32, NORMAL32 = 2.0**-150, 2.0**-126
 
 
 def exact_weight(qt):
     """The weight SPEC 8's linear multiplies by, in fp64: ``decode(q) * s`` exactly (the codes decoded by the codec,
     the group scales as SPEC 3 defines them: fp32 as stored, E8M0 ``2^(b-127)``, NVFP4 ``decode_e4m3(c) * t``)."""
+    codes, scales = exact_parts(qt)
+    return codes * scales
+
+
+def exact_parts(qt):
+    """``(decode(q), s)``: the decoded codes and each weight's group scale, ``(N, K)`` fp64 each (their product is
+    :func:`exact_weight`)."""
     from ds_fpquant.linear.weight_only import scale_layout
     from ds_fpquant.numerics.codec import decode
     from ds_fpquant.numerics.formats import NVFP4_SCALE_FORMAT, get_format
@@ -42,11 +52,11 @@ def exact_weight(qt):
     if kind == "e8m0":
         s = e8m0_decode(scales).double()
     elif kind == NVFP4_SCALE_FORMAT:
-        s = decode(scales, get_format(NVFP4_SCALE_FORMAT)).double() * t
+        s = (decode(scales, get_format(NVFP4_SCALE_FORMAT)).float() * t).double()  # SPEC 3.4: fl(decode(c) * t)
     else:
         s = scales.double()
     s = s.repeat_interleave(block_rows, dim=0)[:n].repeat_interleave(g, dim=1)[:, :k]
-    return d * s
+    return d, s
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -72,20 +82,40 @@ def assert_linear_within_bound(x, qt, bias, y, weights="exact", tensor_cores=Fal
     to x's dtype): :func:`assert_product_within_bound`, with :func:`tensor_core_roundings` instead of ``K + 2`` for
     the CUDA GEMV (``tensor_cores=True``: its mma chains truncate)."""
     if weights == "exact":
-        w = exact_weight(qt)
+        codes, scales = exact_parts(qt)
+        w = codes * scales
     else:
         assert weights == "rounded", weights
-        w = fpq.dequantize(qt, x.dtype, backend="torch").double().cpu()
+        w, scales = fpq.dequantize(qt, x.dtype, backend="torch").double().cpu(), None
     roundings = tensor_core_roundings(qt.shape[1], qt.group_size) if tensor_cores else None
-    assert_product_within_bound(x, w, bias, y, roundings)
+    groups = ceil_div(qt.shape[1], min(qt.group_size, max(qt.shape[1], 1))) if scales is not None else 0
+    assert_product_within_bound(x, w, bias, y, roundings, scales=scales, groups=groups, truncations=tensor_cores)
 
 
-def assert_product_within_bound(x, w, bias, y, roundings=None):
+def underflow_units(x64, w, scales=None, groups=0, truncations=False):
+    """SPEC 8.2's ``U`` for each output ``(M, N)``: how many times ``ETA32`` (half fp32's smallest subnormal) the
+    operations whose results are subnormal may err by, absolutely: ``U = 1 + groups + sum_k (c max(1, |s_k|) + |x_k|
+    [0 < |w_k| < 2^-126])``: the bias; each group's scale multiply (``groups`` per output); term ``k``'s product or
+    the FMA that adds it (``c = 1``; 4 for the tensor cores' truncations, ``truncations``), which the group scale
+    ``s_k`` multiplies afterwards where the kernel scales partial sums (``max(1, |s_k|)`` covers that and the fp32
+    panels, whose products are not scaled afterwards); and an fp32 weight ``fl(decode(q) * s)`` that is subnormal
+    (the panels: its error times ``|x_k|``). Additions add nothing: an fp32 sum whose result is subnormal is exact.
+    ``scales`` ``(N, K)``: each weight's group scale (``None``: products not scaled afterwards)."""
+    c = 4.0 if truncations else 1.0
+    per_term = (c * scales.abs().clamp(min=1.0)).sum(1) if scales is not None else torch.full((w.shape[0],),
+                                                                                              c * w.shape[1])
+    subnormal = ((w.abs() < NORMAL32) & (w != 0)).double()
+    return 1 + groups + per_term.double().reshape(1, -1) + x64.abs() @ subnormal.T
+
+
+def assert_product_within_bound(x, w, bias, y, roundings=None, scales=None, groups=0, truncations=False):
     """``y`` (in ``x``'s dtype) of any path that multiplies ``x`` by the fp64 weight ``w`` ``(N, K)`` with fp32
     products and sums (any order) and one rounding to x's dtype, against fp64 ``ref = x @ w^T + bias`` (the bias
-    rounded to x's dtype, as every path adds it): elementwise ``|y - ref| <= 2 n eps32 sum|x||w| + eps(out) |ref|``
-    with ``n = K + 2`` roundings per term unless `roundings` says otherwise (plus half the output dtype's smallest
-    subnormal; SPEC 8.2), NaN exactly where the reference is NaN, the same Inf where it is Inf. Returns ``ref``."""
+    rounded to x's dtype, as every path adds it): elementwise ``|y - ref| <= 2 n eps32 sum|x||w| + eps(out) |ref| +
+    tiny(out) + (1 + 2 n eps32) ETA32 U`` with ``n = K + 2`` roundings per term unless `roundings` says otherwise
+    and ``U`` of :func:`underflow_units` (``scales``: the group scale of each weight, ``groups``: group scale
+    multiplies per output, ``truncations``: the tensor cores' mma chains) (SPEC 8.2), NaN exactly where the reference is NaN, the same Inf where it is Inf. Returns
+    ``ref``."""
     x64 = x.detach().double().cpu().reshape(-1, w.shape[1])
     ref = x64 @ w.T
     size = x64.abs() @ w.abs().T
@@ -95,9 +125,13 @@ def assert_product_within_bound(x, w, bias, y, roundings=None):
     y64 = y.detach().double().cpu().reshape(ref.shape)
     k = w.shape[1]
     # gamma_n <= 2 n eps32 with n = K + 2 roundings per term: its product, <= K - 1 additions, the group scale
-    # times its partial sum, the bias (SPEC 8.2); K = 1 meets 3 (a GEMV run drew one 2 K eps32 missed)
+    # times its partial sum, the bias (SPEC 8.2); K = 1 meets 3 (a GEMV run drew one 2 K eps32 missed); plus the
+    # absolute error of the operations whose results are subnormal, each carried through at most n roundings
     n = k + 2 if roundings is None else roundings
-    tol = 2 * n * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
+    gamma = 2 * n * 2.0**-24
+    tol = gamma * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
+    tol = tol + (1 + gamma) * ETA32 * underflow_units(x64, w, None if scales is None else scales.cpu(), groups,
+                                                      truncations)
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(y64), nan), "NaN positions differ from the reference"
     inf = torch.isinf(ref)  # an Inf input with finite weights: the same signed Inf

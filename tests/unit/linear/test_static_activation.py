@@ -86,7 +86,7 @@ LAYOUTS = {"tensor": dict(granularity="tensor"), "channel": dict(granularity="ch
 
 
 def _check_bound(x, x_hat, qt, bias, y):
-    """``y`` against fp64 ``x_hat @ w^T + bias`` (w the exact weight, the bias as fp32): each term meets at most
+    """``y`` against fp64 ``x_hat @ w^T + bias`` (w the exact weight, the bias rounded to x's dtype): each term meets at most
     K + 2 fp32 roundings (SPEC 8.2: product, K - 1 additions, group scale, bias) and x_hat is fp32 exactly as the
     oracle gives it; then one rounding to x's dtype."""
     w = exact_weight(qt)
@@ -94,7 +94,8 @@ def _check_bound(x, x_hat, qt, bias, y):
     ref = a @ w.T
     size = a.abs() @ w.abs().T
     if bias is not None:
-        ref, size = ref + bias.float().double(), size + bias.float().double().abs()
+        b = bias.to(x.dtype).double()  # SPEC 8.1: the bias rounded to x's dtype, on every path
+        ref, size = ref + b, size + b.abs()
     k = w.shape[1]
     tol = 2 * (k + 2) * 2.0**-24 * size + EPS_OUT[x.dtype] * ref.abs() + TINY_OUT[x.dtype]
     y64 = y.double().reshape(ref.shape)
