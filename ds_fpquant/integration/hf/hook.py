@@ -1,6 +1,7 @@
-"""The import hook ``import ds_fpquant`` installs (:func:`install`): ``quant_method: "ds_fpquant"`` is registered with
-transformers (:func:`ds_fpquant.integration.hf.register`) when transformers' quantizer registry is imported, without
-importing transformers (or anything else) before that."""
+"""The import hooks ``import ds_fpquant`` installs (:func:`install`): ``quant_method: "ds_fpquant"`` is registered with
+transformers (:func:`ds_fpquant.integration.hf.register`) when transformers' quantizer registry is imported, and
+PEFT's LoRA learns ``FPQuantizedLinear`` (:func:`ds_fpquant.integration.hf.lora.install_dispatch`) when PEFT's LoRA
+model is imported, without importing transformers or PEFT (or anything else) before that."""
 
 from __future__ import annotations
 
@@ -12,13 +13,43 @@ import warnings
 __all__ = ["install"]
 
 _REGISTRY_MODULE = "transformers.quantizers.auto"
+_LORA_MODULE = "peft.tuners.lora.model"
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``transformers.quantizers.auto`` with the other finders and runs :func:`register` once it is executed."""
+def _register() -> None:
+    from ds_fpquant.integration.hf import register
+    from ds_fpquant.integration.hf.names import METHOD
+
+    try:
+        register()
+    except Exception as exc:  # transformers must import even if ds_fpquant cannot register with it
+        warnings.warn(f"ds_fpquant could not register quant_method {METHOD!r} with transformers: {exc!r}; "
+                      f"call ds_fpquant.integration.hf.register() to see the error", stacklevel=3)
+
+
+def _install_lora_dispatch() -> None:
+    try:
+        from ds_fpquant.integration.hf.lora import install_dispatch
+
+        install_dispatch()
+    except Exception as exc:  # PEFT must import even if ds_fpquant cannot hook into it
+        warnings.warn(f"ds_fpquant could not teach PEFT's LoRA the FPQuantizedLinear layer: {exc!r}; pass "
+                      f"ds_fpquant.integration.hf.lora.register_lora(config) to get_peft_model instead", stacklevel=3)
+
+
+#: module -> what runs right after it is executed
+_AFTER_IMPORT = {_REGISTRY_MODULE: _register, _LORA_MODULE: _install_lora_dispatch}
+
+
+class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``module`` (one of :data:`_AFTER_IMPORT`) with the other finders and runs its callback once it is
+    executed."""
+
+    def __init__(self, module: str):
+        self.module = module
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _REGISTRY_MODULE:
+        if fullname != self.module:
             return None
         sys.meta_path.remove(self)  # one shot: the registry module is imported once
         spec = importlib.util.find_spec(fullname)
@@ -33,22 +64,14 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        from ds_fpquant.integration.hf import register
-        from ds_fpquant.integration.hf.names import METHOD
-
-        try:
-            register()
-        except Exception as exc:  # transformers must import even if ds_fpquant cannot register with it
-            warnings.warn(f"ds_fpquant could not register quant_method {METHOD!r} with transformers: {exc!r}; "
-                          f"call ds_fpquant.integration.hf.register() to see the error", stacklevel=2)
+        _AFTER_IMPORT[self.module]()
 
 
 def install() -> None:
-    """Register now if transformers' quantizer registry is imported, else when it is (what ``import ds_fpquant``
-    runs; it imports nothing from transformers)."""
-    if _REGISTRY_MODULE in sys.modules:
-        from ds_fpquant.integration.hf import register
-
-        register()
-    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
+    """For transformers' quantizer registry and PEFT's LoRA model each: hook into it now if it is imported, else when
+    it is (what ``import ds_fpquant`` runs; it imports nothing from transformers or PEFT)."""
+    for name, callback in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            callback()
+        elif not any(isinstance(finder, _RunAfterImport) and finder.module == name for finder in sys.meta_path):
+            sys.meta_path.insert(0, _RunAfterImport(name))

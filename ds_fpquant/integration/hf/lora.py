@@ -3,13 +3,15 @@ quantized and frozen (its codes and scales are buffers, never trained), the adap
 DeepSpeed's ``OptimizedLinear`` does over its quantized base weight.
 
 PEFT builds LoRA layers for the layer types it knows; this module gives it one for ``FPQuantizedLinear`` through its
-custom-module API (``LoraConfig._register_custom_module``)::
+custom-module API (``LoraConfig._register_custom_module``). After ``import ds_fpquant`` a plain ``LoraConfig`` is
+enough (:func:`install_dispatch`, run by ds_fpquant's import hook when PEFT's LoRA model is imported)::
 
+    import ds_fpquant
     from peft import LoraConfig, get_peft_model
-    from ds_fpquant.integration.hf.lora import register_lora
 
-    config = register_lora(LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+:func:`register_lora` (``get_peft_model(model, register_lora(config))``) does the same for one config by hand.
 
 ``forward`` is ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` per active adapter. Merging an adapter into a
 quantized weight would change its codes (a re-quantization, with its error): ``merge`` / ``merge_and_unload`` are
@@ -18,6 +20,7 @@ refused, unless :func:`merge_and_unload` is asked to dequantize the base layers 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -26,7 +29,7 @@ from peft.tuners.lora.layer import LoraLayer
 
 from ds_fpquant.nn.quantized_linear import FPQuantizedLinear
 
-__all__ = ["LoraFPQuantizedLinear", "register_lora", "merge_and_unload"]
+__all__ = ["LoraFPQuantizedLinear", "register_lora", "install_dispatch", "merge_and_unload"]
 
 
 class LoraFPQuantizedLinear(torch.nn.Module, LoraLayer):
@@ -102,6 +105,31 @@ def register_lora(config):
     :class:`FPQuantizedLinear` target modules; returns it."""
     config._register_custom_module({FPQuantizedLinear: LoraFPQuantizedLinear})
     return config
+
+
+def install_dispatch() -> None:
+    """Let ``get_peft_model(model, LoraConfig(...))`` wrap ``FPQuantizedLinear`` targets without
+    :func:`register_lora`: PEFT (0.21) picks a LoRA layer through a fixed list of dispatchers in
+    ``LoraModel._create_new_module`` and a per-config custom-module map, and has no registry for a new layer type;
+    this wraps ``_create_new_module`` so that a target whose base layer is an ``FPQuantizedLinear`` first gets
+    :func:`register_lora`'s mapping on its config (a mapping the config already has for the type is kept). Every other
+    target goes to PEFT unchanged. Idempotent; run by ``import ds_fpquant``'s import hook."""
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    create = LoraModel.__dict__["_create_new_module"].__func__
+    if getattr(create, "ds_fpquant_original", None) is not None:
+        return
+
+    @functools.wraps(create)
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, FPQuantizedLinear) and FPQuantizedLinear not in (lora_config._custom_modules or {}):
+            register_lora(lora_config)
+        return create(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module.ds_fpquant_original = create
+    LoraModel._create_new_module = staticmethod(_create_new_module)
 
 
 def merge_and_unload(model, dequantize: bool = False, dtype: Optional[torch.dtype] = None):

@@ -63,6 +63,33 @@ def test_training_updates_only_the_adapters_and_the_loss_falls(checkpoints):
             assert torch.equal(p, others[name]), name
 
 
+def test_a_plain_lora_config_wraps_the_quantized_layers(checkpoints):
+    """After ``import ds_fpquant``, ``get_peft_model`` with a plain ``LoraConfig`` (no ``register_lora``) wraps the
+    ``FPQuantizedLinear`` targets; a target that is a plain ``nn.Linear`` still gets PEFT's own layer."""
+    model = _quantized_model(checkpoints)
+    model.model.layers[1].self_attn.q_proj = torch.nn.Linear(model.config.hidden_size, model.config.hidden_size,
+                                                             bias=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    wrapped = [m for m in model.modules() if isinstance(m, LoraFPQuantizedLinear)]
+    assert len(wrapped) == 3 and all(isinstance(m.base_layer, FPQuantizedLinear) for m in wrapped)
+    plain = model.base_model.model.model.layers[1].self_attn.q_proj
+    assert isinstance(plain, peft.tuners.lora.Linear) and type(plain.base_layer) is torch.nn.Linear
+
+
+def test_peft_imported_before_ds_fpquant_wraps_too():
+    import subprocess
+    import sys
+
+    code = ("import sys, peft, torch; assert 'ds_fpquant' not in sys.modules; import ds_fpquant\n"
+            "from ds_fpquant.integration.hf.lora import LoraFPQuantizedLinear\n"
+            "m = torch.nn.Sequential(ds_fpquant.FPQuantizedLinear.from_linear(torch.nn.Linear(64, 32), fmt='e4m3',"
+            " group_size=32))\n"
+            "m = peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules=['0']))\n"
+            "print(type(m.base_model.model[0]).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "LoraFPQuantizedLinear"
+
+
 def test_adapter_gradients_match_lora_on_the_dequantized_linear():
     """One layer: ``y = base(x) + s B A x``, loss ``sum(y^2) / 2`` (so the gradients depend on the base output).
     The LoRA term is the same computation in both layers (same bits); the base outputs of the quantized layer and of
