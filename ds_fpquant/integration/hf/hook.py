@@ -5,6 +5,7 @@ model is imported, without importing transformers or PEFT (or anything else) bef
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -16,25 +17,24 @@ _REGISTRY_MODULE = "transformers.quantizers.auto"
 _LORA_MODULE = "peft.tuners.lora.model"
 
 
-def _register() -> None:
-    from ds_fpquant.integration.hf import register
-    from ds_fpquant.integration.hf.names import METHOD
-
+def _guarded(step: str, instead: str) -> None:
+    """Run ``step`` (``"module:function"``, imported only now); a failure warns (naming ``instead``) instead of raising,
+    so that the library being imported still imports."""
+    module, function = step.split(":")
     try:
-        register()
-    except Exception as exc:  # transformers must import even if ds_fpquant cannot register with it
-        warnings.warn(f"ds_fpquant could not register quant_method {METHOD!r} with transformers: {exc!r}; "
-                      f"call ds_fpquant.integration.hf.register() to see the error", stacklevel=3)
+        getattr(importlib.import_module(module), function)()
+    except Exception as exc:
+        warnings.warn(f"ds_fpquant: {step} failed: {exc!r}; {instead}", stacklevel=3)
+
+
+def _register() -> None:
+    _guarded("ds_fpquant.integration.hf:register", "quant_method 'ds_fpquant' is not registered with transformers; "
+             "call ds_fpquant.integration.hf.register() to see the error")
 
 
 def _install_lora_dispatch() -> None:
-    try:
-        from ds_fpquant.integration.hf.lora import install_dispatch
-
-        install_dispatch()
-    except Exception as exc:  # PEFT must import even if ds_fpquant cannot hook into it
-        warnings.warn(f"ds_fpquant could not teach PEFT's LoRA the FPQuantizedLinear layer: {exc!r}; pass "
-                      f"ds_fpquant.integration.hf.lora.register_lora(config) to get_peft_model instead", stacklevel=3)
+    _guarded("ds_fpquant.integration.hf.lora:install_dispatch", "PEFT's LoRA does not know FPQuantizedLinear; pass "
+             "ds_fpquant.integration.hf.lora.register_lora(config) to get_peft_model instead")
 
 
 #: module -> what runs right after it is executed
